@@ -1,0 +1,195 @@
+"""The engine core: validated requests in, one step of tokens out. Token ids only; text
+lives in LLM (offline) and in the gateway.
+
+Lifecycle of a request: add_request (validated, WAITING) -> step()* (admitted, prefilled in
+chunks, decoded) -> finished (stop | length) or abort() -> its blocks are freed at once.
+
+Not thread-safe: one thread calls step/add_request/abort (AsyncEngine owns that thread).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.config import EngineConfig
+from common.engine.block_manager import BlockManager
+from common.engine.model_runner import ModelRunner
+from common.engine.sampler import compute_logprobs, sample
+from common.engine.sampling_params import SamplingParams
+from common.engine.scheduler import Scheduler
+from common.engine.sequence import Sequence, SequenceStatus
+from common.model.config import load_model_config
+from common.model.llama import CausalLM
+from kernels import get_backend
+
+log = logging.getLogger("pdmesh.engine")
+
+DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StepOutput:
+    """New tokens of one request from one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    new_logprobs: list[dict[int, float]] | None = None
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return DTYPE_BY_NAME[name]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        self.model_config = mcfg = load_model_config(config.model)
+        self.backend = get_backend(config.kernel_backend, self.device)
+        supported = self.backend.supported_block_sizes()
+        self.block_size = config.block_size or (supported[0] if supported else 16)
+        if supported is not None and self.block_size not in supported:
+            raise ValueError(f"block_size must be one of {supported} on the {self.backend.name} "
+                             f"kernel backend, got {self.block_size}")
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        per_block = (mcfg.num_layers * 2 * self.block_size * mcfg.num_kv_heads * mcfg.head_dim
+                     * self.dtype.itemsize)
+        self.num_blocks = config.num_blocks or max(1, config.kv_cache_memory // per_block)
+        limit = min(mcfg.max_position_embeddings, self.num_blocks * self.block_size)
+        if mcfg.sliding_window:
+            limit = min(limit, mcfg.sliding_window)
+        if config.max_model_len > limit:
+            raise ValueError(f"max_model_len must be <= {limit} (max_position_embeddings, "
+                             f"KV cache of {self.num_blocks} blocks, sliding window), got {config.max_model_len}")
+        self.max_model_len = config.max_model_len or limit
+        start = time.perf_counter()
+        self.model = CausalLM(mcfg, self.backend, self.dtype, max_positions=self.max_model_len)
+        self.model.load_weights(config.model)
+        self.model.to(self.device)
+        self.model_id = config.model_id or Path(config.model).resolve().name
+        self.layout = (f"{str(self.dtype).removeprefix('torch.')}:L{mcfg.num_layers}"
+                       f":H{mcfg.num_kv_heads}:D{mcfg.head_dim}:B{self.block_size}")
+        self.kv_cache = torch.zeros(mcfg.num_layers, 2, self.num_blocks, self.block_size,
+                                    mcfg.num_kv_heads, mcfg.head_dim, dtype=self.dtype,
+                                    device=self.device)
+        self.block_manager = BlockManager(self.num_blocks, self.block_size, self.model_id,
+                                          self.layout, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens, config.enable_chunked_prefill)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.eos_token_ids = set(mcfg.eos_token_ids) | set(self._tokenizer_eos(config.model))
+        self.vocab_size = mcfg.vocab_size
+        self._arrivals = 0
+        self._requests: dict[str, Sequence] = {}
+        log.info("engine ready: %s on %s/%s, %s, %d blocks x %d tokens, max_model_len %d (%.1fs)",
+                 self.model_id, self.device, self.backend.name, self.dtype, self.num_blocks,
+                 self.block_size, self.max_model_len, time.perf_counter() - start)
+
+    @staticmethod
+    def _tokenizer_eos(model_dir: str) -> list[int]:
+        try:
+            from common.model.tokenizer import Tokenizer
+            return list(Tokenizer.from_dir(model_dir).eos_token_ids)
+        except (FileNotFoundError, ValueError):
+            return []
+
+    # ---- requests -----------------------------------------------------------------
+    def validate_request(self, request_id: str, prompt_token_ids: list[int],
+                         params: SamplingParams) -> None:
+        """ValueError naming the field and its allowed range. Pure: touches no state
+        except the set of live request ids."""
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty (prompt_token_ids has 0 tokens)")
+        for i, t in enumerate(prompt_token_ids):
+            if not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt_token_ids[{i}]={t!r} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        params.validate(self.vocab_size)
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt length ({len(prompt_token_ids)}) + max_tokens "
+                             f"({params.max_tokens}) = {total} must be <= max_model_len "
+                             f"({self.max_model_len})")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        self.validate_request(request_id, prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, self._arrivals)
+        self._arrivals += 1
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish the request as aborted and free its blocks now. False if unknown."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- stepping -----------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        logits, sample_seqs = self.runner.execute(sched)
+        for seq in sched.decode_seqs:
+            seq.num_computed_tokens += 1
+        for seq, n in zip(sched.prefill_seqs, sched.prefill_lens):
+            seq.num_computed_tokens += n
+        for seq in (*sched.decode_seqs, *sched.prefill_seqs):
+            self.block_manager.cache_full_blocks(seq)
+        if logits is None:
+            return []
+        tokens = sample(logits, sample_seqs, self.generator)
+        want = [s.params.logprobs for s in sample_seqs]
+        logprobs = compute_logprobs(logits, tokens, want)
+        return [self._append(seq, tok, lp) for seq, tok, lp in zip(sample_seqs, tokens, logprobs)]
+
+    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> StepOutput:
+        seq.token_ids.append(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        p = seq.params
+        status = None
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            status = SequenceStatus.FINISHED_STOPPED
+        elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(seq, status)
+            del self._requests[seq.request_id]
+        return StepOutput(seq.request_id, [token], status is not None,
+                          seq.finish_reason if status is not None else None,
+                          seq.num_prompt_tokens, max(seq.num_cached_tokens, 0),
+                          [logprobs] if logprobs is not None else None)
+
+    # ---- introspection ------------------------------------------------------------
+    @property
+    def num_used_blocks(self) -> int:
+        return self.block_manager.num_used_blocks
+
+    def stats(self) -> dict[str, int]:
+        bm = self.block_manager
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "free_blocks": bm.num_free_blocks, "used_blocks": bm.num_used_blocks,
+                "total_blocks": bm.num_blocks, "prefix_hit_tokens": bm.num_hits,
+                "prefix_query_tokens": bm.num_queries, "preemptions": self.scheduler.num_preemptions}

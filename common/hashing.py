@@ -1,0 +1,44 @@
+"""Block hash chain shared by every service (gateway, meta-server, prefill, decode, kv-store).
+
+    h_i = blake2b(h_{i-1} || token_ids of block i || model_id || layout)
+
+over full blocks only. Token ids are packed as little-endian int32, so the hash is the
+same on every host and never depends on PYTHONHASHSEED. `h_{-1}` is the empty string.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+import sys
+
+DIGEST_SIZE = 16
+
+
+def _pack(token_ids: Sequence[int]) -> bytes:
+    packed = array("i", token_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def block_hash(parent: bytes | None, token_ids: Sequence[int], model_id: str = "",
+               layout: str = "") -> bytes:
+    """Hash of one full block given the hash of the block before it (None for the first)."""
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
+    h.update(parent or b"")
+    h.update(_pack(token_ids))
+    h.update(model_id.encode())
+    h.update(b"\x00")
+    h.update(layout.encode())
+    return h.digest()
+
+
+def hash_block_chain(token_ids: Sequence[int], block_size: int, model_id: str = "",
+                     layout: str = "", parent: bytes | None = None) -> list[bytes]:
+    """Hashes of every full block of token_ids; a trailing partial block has none."""
+    hashes: list[bytes] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_hash(parent, token_ids[start:start + block_size], model_id, layout)
+        hashes.append(parent)
+    return hashes

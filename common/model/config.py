@@ -1,0 +1,134 @@
+"""Hugging Face `config.json` -> frozen ModelConfig.
+
+Reads both the transformers 4.x spelling (`rope_theta`, `rope_scaling`) and the 5.x one
+(`rope_parameters`). Everything the model code needs is resolved here, so the model never
+looks at the raw dict.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    torch_dtype: str | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    sliding_window: int | None = None
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    params = raw.get("rope_parameters") or {}
+    theta = float(raw.get("rope_theta", params.get("rope_theta", 10000.0)))
+    scaling = raw.get("rope_scaling")
+    if scaling is None and params:
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
+    return theta, scaling or None
+
+
+def model_config_from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """Build a ModelConfig; ValueError names `source` and the offending field."""
+    archs = raw.get("architectures") or []
+    known = [a for a in archs if a in ARCHITECTURES]
+    if not known:
+        raise ValueError(f"{source}: architectures={archs} is not supported; "
+                         f"allowed: {sorted(ARCHITECTURES)}")
+    arch = known[0]
+    kind = ARCHITECTURES[arch]
+    try:
+        hidden = int(raw["hidden_size"])
+        num_heads = int(raw["num_attention_heads"])
+        cfg_fields = dict(
+            vocab_size=int(raw["vocab_size"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+        )
+    except KeyError as e:
+        raise ValueError(f"{source}: missing required field {e.args[0]!r}") from None
+    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{source}: num_attention_heads={num_heads} must be a multiple of "
+                         f"num_key_value_heads={num_kv_heads}")
+    head_dim = int(raw.get("head_dim") or hidden // num_heads)
+    theta, scaling = _rope(raw)
+    if kind == "qwen2":
+        qkv_bias = True
+    else:
+        qkv_bias = bool(raw.get("attention_bias", False))
+    sliding = raw.get("sliding_window") if raw.get("use_sliding_window", kind == "mistral") else None
+    return ModelConfig(
+        architecture=arch,
+        model_type=kind,
+        hidden_size=hidden,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=bool(raw.get("attention_bias", False)) and kind != "qwen2",
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        qk_norm=kind == "qwen3",
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+        sliding_window=int(sliding) if sliding else None,
+        **cfg_fields,
+    )
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no config.json in the model folder")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from None
+    return model_config_from_dict(raw, source=str(path))

@@ -1,0 +1,125 @@
+"""The one kernel interface every compute service uses.
+
+KV cache layout, everywhere:  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+A token at position p of a sequence with block table bt lives in slot
+    bt[p // block_size] * block_size + p % block_size
+of the flat cache view [num_blocks * block_size, num_kv_heads, head_dim].
+
+A model step packs its tokens as  [decode tokens (one per sequence) | prefill chunks],
+so linear layers run once over every token; attention is split by the runner into one
+`decode` call and one `prefill` call on the two parts.
+
+Prefill is causal, bottom-right aligned: the query of a chunk holds the last
+`q_len` tokens of a context of `seq_len` tokens (cached prefix + new tokens), so query
+row i sees context positions [0, seq_len - q_len + i].
+
+Backends: `ref` (pure torch, kernels/ref.py), `npu` (torch_npu), `cuda` (flash-attn),
+chosen by kernels.registry.get_backend.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillMetadata:
+    """Prefill part of a step. Built once a step by the model runner, shared by all layers.
+
+    query_start_loc: int32 [num_seqs + 1], cumulative query starts (0 first, num_tokens last).
+    seq_lens:        int32 [num_seqs], context length per sequence (cached prefix + new).
+    block_tables:    int32 [num_seqs, max_blocks], padded with 0 past each sequence's blocks.
+    query_lens_list, seq_lens_list: the same on the host, for loops and for ops taking lists.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens_list)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_list, default=0)
+
+
+@dataclass
+class DecodeMetadata:
+    """Decode part of a step: one query token per sequence, at position seq_len - 1.
+
+    seq_lens:     int32 [num_seqs], context length including the new token.
+    block_tables: int32 [num_seqs, max_blocks], padded with 0.
+    seq_lens_list: host copy of seq_lens.
+    """
+
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens_list: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_list, default=0)
+
+
+class Backend(ABC):
+    """Paged attention and the small fused ops around it. Stateless apart from caches of
+    constants (masks); safe to share across layers. Every method is called inside
+    torch.inference_mode on tensors of one device."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def supported_block_sizes(self) -> list[int] | None:
+        """Block sizes this backend accepts; None means any."""
+
+    @abstractmethod
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store key/value [num_tokens, num_kv_heads, head_dim] into the caches (mutated in
+        place) at slot_mapping (int64 [num_tokens]); a slot of -1 is skipped."""
+
+    @abstractmethod
+    def prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PrefillMetadata,
+                scale: float) -> torch.Tensor:
+        """Causal attention for packed prefill chunks.
+
+        query [num_tokens, num_heads, head_dim]; key/value [num_tokens, num_kv_heads,
+        head_dim] are the new tokens, already written to the caches by write_kv (a backend
+        may use them directly where a sequence has no cached prefix). GQA: num_heads is a
+        multiple of num_kv_heads. Softmax accumulates in float32. Returns
+        [num_tokens, num_heads, head_dim] in query's dtype."""
+
+    @abstractmethod
+    def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: DecodeMetadata, scale: float) -> torch.Tensor:
+        """Attention of one query token per sequence over its whole cached context.
+
+        query [num_seqs, num_heads, head_dim]; returns the same shape and dtype."""
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x * rsqrt(mean(x^2) + eps) * weight, computed in float32, returned in x's dtype."""
+
+    @abstractmethod
+    def rotary(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Neox-style (rotate-half) rotary embedding.
+
+        positions int64 [num_tokens]; query [num_tokens, num_heads, head_dim];
+        key [num_tokens, num_kv_heads, head_dim]; cos/sin [max_positions, head_dim // 2]
+        tables (kernels.rope.rope_cos_sin). Returns the rotated (query, key)."""

@@ -1,0 +1,151 @@
+"""CUDA backend: flash-attn's paged varlen kernel when a flash-attn build is installed,
+else the ref kernels on the GPU.
+
+    package           call (paged KV, causal bottom-right)          paged block sizes
+    vllm_flash_attn   flash_attn_varlen_func(..., seqused_k=seq_lens,  multiples of 16
+                      block_table=...)  [cu_seqlens_k on old builds]
+    flash_attn 2.x    flash_attn_varlen_func(..., cu_seqlens_k=        multiples of 256
+                      cumsum(seq_lens), block_table=...)
+
+Both read K/V straight from the caches [num_blocks, block_size, KV_N, D] through an int32
+block_table; GQA is native. flash-attn takes float16/bfloat16 only, so a float32 model
+runs attention on the ref kernels. KV write is index_copy_ into the flat cache view.
+Neither package is imported before CudaBackend is constructed.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.api import DecodeMetadata, PrefillMetadata
+from kernels.ref import RefBackend
+
+logger = logging.getLogger(__name__)
+PACKAGES = ("vllm_flash_attn", "flash_attn")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def paged_block_sizes(package: str, version: str) -> list[int] | None:
+    """Block sizes `package` at `version` accepts for a paged KV cache (smallest first), or
+    None when this backend does not know its rule (it then falls back to ref)."""
+    if package == "vllm_flash_attn":
+        return [16, 32, 64, 128, 256]
+    if package == "flash_attn" and version.split(".")[0] == "2":
+        return [256, 512]
+    return None
+
+
+def accepts_seqused_k(varlen: Callable) -> bool:
+    """Whether flash_attn_varlen_func takes per-request KV lengths (seqused_k) rather than
+    cumulative ones (cu_seqlens_k)."""
+    try:
+        return "seqused_k" in inspect.signature(varlen).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+@dataclass(frozen=True)
+class FlashAttn:
+    """One installed flash-attn build."""
+
+    package: str
+    varlen: Callable
+    block_sizes: tuple[int, ...]
+    seqused_k: bool
+
+
+def find_flash_attn() -> FlashAttn | None:
+    """The first usable package of PACKAGES, imported here; None when none is."""
+    for package in PACKAGES:
+        if importlib.util.find_spec(package) is None:
+            continue
+        try:
+            module = importlib.import_module(package)
+        except ImportError as exc:
+            logger.warning("%s is installed but cannot be imported: %s", package, exc)
+            continue
+        varlen = getattr(module, "flash_attn_varlen_func", None)
+        sizes = paged_block_sizes(package, str(getattr(module, "__version__", "")))
+        if varlen is None or sizes is None:
+            logger.warning("%s %s has no known paged varlen API; skipped", package,
+                           getattr(module, "__version__", "?"))
+            continue
+        return FlashAttn(package, varlen, tuple(sizes), accepts_seqused_k(varlen))
+    return None
+
+
+class CudaBackend(RefBackend):
+    """Paged attention with flash-attn on CUDA; ref kernels for everything else (norm,
+    rotary, and attention when flash-attn is missing or the dtype is float32).
+    `flash="detect"` finds an installed build; tests may pass a FlashAttn or None."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device | str | None = None,
+                 flash: FlashAttn | None | str = "detect") -> None:
+        super().__init__(device)
+        self.flash = find_flash_attn() if flash == "detect" else flash
+        self._slots_cache: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+
+    def supported_block_sizes(self) -> list[int] | None:
+        return None if self.flash is None else list(self.flash.block_sizes)
+
+    def _valid_rows(self, slot_mapping: torch.Tensor) -> torch.Tensor | None:
+        """Rows whose slot is not -1 (None: all), computed once per slot_mapping object so a
+        step pays one host sync, not one a layer; swapped atomically (thread-safe)."""
+        cached_key, cached_rows = self._slots_cache
+        if cached_key is slot_mapping:
+            return cached_rows
+        keep = slot_mapping >= 0
+        rows = None if bool(keep.all()) else keep.nonzero().squeeze(1)
+        self._slots_cache = (slot_mapping, rows)
+        return rows
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        rows = self._valid_rows(slot_mapping)
+        if rows is not None:
+            key, value, slot_mapping = key[rows], value[rows], slot_mapping[rows]
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+
+    def _use_flash(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        if self.flash is None or query.dtype not in _HALF:
+            return False
+        if k_cache.shape[1] not in self.flash.block_sizes:
+            raise ValueError(f"{self.flash.package} paged attention needs block_size in "
+                             f"{list(self.flash.block_sizes)}, got {k_cache.shape[1]}")
+        return True
+
+    def _flash(self, query, k_cache, v_cache, cu_seqlens_q, max_seqlen_q: int,
+               seq_lens: torch.Tensor, max_seqlen_k: int, block_tables, scale: float):
+        kwargs = dict(q=query, k=k_cache, v=v_cache, cu_seqlens_q=cu_seqlens_q,
+                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                      softmax_scale=scale, causal=True,
+                      block_table=block_tables.to(torch.int32))
+        if self.flash.seqused_k:
+            kwargs["seqused_k"] = seq_lens.to(torch.int32)
+        else:
+            kwargs["cu_seqlens_k"] = F.pad(seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
+        return self.flash.varlen(**kwargs)
+
+    def prefill(self, query, key, value, k_cache, v_cache, meta: PrefillMetadata,
+                scale: float) -> torch.Tensor:
+        if not self._use_flash(query, k_cache):
+            return super().prefill(query, key, value, k_cache, v_cache, meta, scale)
+        return self._flash(query, k_cache, v_cache, meta.query_start_loc.to(torch.int32),
+                           max(meta.query_lens_list), meta.seq_lens, meta.max_seq_len,
+                           meta.block_tables, scale)
+
+    def decode(self, query, k_cache, v_cache, meta: DecodeMetadata, scale: float) -> torch.Tensor:
+        if meta.num_seqs == 0 or not self._use_flash(query, k_cache):
+            return super().decode(query, k_cache, v_cache, meta, scale)
+        cu_seqlens_q = torch.arange(meta.num_seqs + 1, dtype=torch.int32, device=query.device)
+        return self._flash(query, k_cache, v_cache, cu_seqlens_q, 1, meta.seq_lens,
+                           meta.max_seq_len, meta.block_tables, scale)

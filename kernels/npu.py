@@ -1,0 +1,176 @@
+"""Ascend NPU backend (torch_npu), following vllm-ascend on Atlas A2 (910B).
+
+Per layer and step:
+    write_kv  -> torch_npu.npu_scatter_pa_kv_cache(cache_mode="Norm")
+                 (torch_npu._npu_reshape_and_cache on torch_npu without it)
+    prefill   -> one npu_fused_infer_attention_score, TND, sparse_mode=3 + cached mask
+    decode    -> one npu_fused_infer_attention_score, TND, sparse_mode=0, no mask
+    rms_norm  -> torch_npu.npu_rms_norm(...)[0]
+    rotary    -> torch_npu.npu_rotary_mul(x, cos, sin) (rotate-half) on q and k
+
+Attention call, both phases (page attention over the layer's caches):
+    query [T, N, D] ("TND"), key/value = caches viewed as [num_blocks, 128, KV_N * D]
+    actual_seq_lengths    = cumulative query ends  [q0, q0+q1, ...]   (host ints, len B)
+    actual_seq_lengths_kv = per-request KV lengths [kv0, kv1, ...]     (host ints, len B)
+    block_table int32 [B, max_blocks], block_size=128, num_heads / num_key_value_heads,
+    inner_precise=0 (high precision: float32 softmax accumulation for float16 inputs).
+Prefill's mask is the (2048, 2048) int8 upper-triangular matrix sparse_mode=3 (causal,
+bottom-right aligned) requires, built once per device.
+
+torch_npu is imported when NpuBackend is constructed, never at module import; without it
+construction raises a RuntimeError that says how to get it (or emulate it on CPU with
+kernels.testing.fake_torch_npu.install()).
+"""
+from __future__ import annotations
+
+import inspect
+import re
+from itertools import accumulate
+
+import torch
+
+from kernels.api import Backend, DecodeMetadata, PrefillMetadata
+
+BLOCK_SIZE = 128
+MASK_SIZE = 2048
+_REQUIRED_OPS = ("npu_fused_infer_attention_score", "npu_rms_norm", "npu_rotary_mul")
+
+
+def _import_torch_npu():
+    try:
+        import torch_npu
+    except ImportError as exc:
+        raise RuntimeError(
+            "the npu kernel backend needs torch_npu (pip install torch-npu matching your torch "
+            "and CANN versions); on a machine without an NPU, "
+            "kernels.testing.fake_torch_npu.install() emulates it on CPU") from exc
+    missing = [op for op in _REQUIRED_OPS if not hasattr(torch_npu, op)]
+    if not hasattr(torch_npu, "npu_scatter_pa_kv_cache") and not hasattr(torch_npu, "_npu_reshape_and_cache"):
+        missing.append("npu_scatter_pa_kv_cache or _npu_reshape_and_cache")
+    if missing:
+        raise RuntimeError(f"torch_npu {getattr(torch_npu, '__version__', '?')} lacks {missing}; "
+                           "the npu kernel backend needs torch_npu >= 2.1 with CANN >= 8.0")
+    return torch_npu
+
+
+def _op_keywords(op) -> set[str]:
+    """Keyword names an op accepts: its Python signature, else its torch schema, else the
+    names its docstring shows as `name=`."""
+    try:
+        names = set(inspect.signature(op).parameters)
+    except (TypeError, ValueError):
+        names = set()
+    if not names & {"scale", "scale_value"} and hasattr(op, "overloads"):
+        for overload in op.overloads():
+            names |= {arg.name for arg in getattr(op, overload)._schema.arguments}
+    if not names & {"scale", "scale_value"}:
+        names |= set(re.findall(r"\b(scale(?:_value)?)\s*=", op.__doc__ or ""))
+    return names
+
+
+def scale_keyword(op) -> str:
+    """'scale' (torch_npu >= 2.5) or 'scale_value' (older): the softmax-scale keyword of
+    npu_fused_infer_attention_score."""
+    names = _op_keywords(op)
+    return "scale_value" if "scale_value" in names and "scale" not in names else "scale"
+
+
+class NpuBackend(Backend):
+    """Paged attention with torch_npu. Caches must be [num_blocks, 128, KV_N, D] and
+    contiguous per layer; query/key/value float16 or bfloat16 on a real NPU. Safe to share
+    across layers, engines and threads: its only state is per-device masks and the last
+    slot filter."""
+
+    name = "npu"
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = device
+        self._npu = _import_torch_npu()
+        self._scatter = getattr(self._npu, "npu_scatter_pa_kv_cache", None)
+        self._scale_kw = scale_keyword(self._npu.npu_fused_infer_attention_score)
+        self._masks: dict[torch.device, torch.Tensor] = {}
+        self._slots_cache: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+
+    def supported_block_sizes(self) -> list[int] | None:
+        return [BLOCK_SIZE]
+
+    def _valid_rows(self, slot_mapping: torch.Tensor) -> torch.Tensor | None:
+        """Row indices whose slot is not -1, or None when all are valid. Computed once per
+        slot_mapping object (one host sync a step, not one a layer); the (key, rows) pair is
+        swapped atomically, so threads sharing the backend at worst recompute it."""
+        cached_key, cached_rows = self._slots_cache
+        if cached_key is slot_mapping:
+            return cached_rows
+        keep = slot_mapping >= 0
+        rows = None if bool(keep.all()) else keep.nonzero().squeeze(1)
+        self._slots_cache = (slot_mapping, rows)
+        return rows
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        num_tokens = slot_mapping.shape[0]
+        key, value = key[:num_tokens], value[:num_tokens]
+        rows = self._valid_rows(slot_mapping)
+        if rows is not None:
+            key, value, slot_mapping = key[rows], value[rows], slot_mapping[rows]
+        if slot_mapping.numel() == 0:
+            return
+        key, value = key.contiguous(), value.contiguous()
+        if self._scatter is not None:
+            self._scatter(key, value, k_cache, v_cache, slot_mapping.contiguous(), cache_mode="Norm")
+        else:
+            self._npu._npu_reshape_and_cache(key=key, value=value, key_cache=k_cache,
+                                             value_cache=v_cache,
+                                             slot_indices=slot_mapping.to(torch.int32))
+
+    def _mask(self, device: torch.device) -> torch.Tensor:
+        mask = self._masks.get(device)
+        if mask is None:
+            mask = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.int8, device=device).triu_(1)
+            self._masks[device] = mask
+        return mask
+
+    def _attention(self, query, k_cache, v_cache, block_tables, q_ends: list[int],
+                   kv_lens: list[int], scale: float, causal: bool) -> torch.Tensor:
+        num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+        if block_size != BLOCK_SIZE:
+            raise ValueError(f"npu attention needs caches of block_size {BLOCK_SIZE}, got {block_size}")
+        kwargs = {self._scale_kw: float(scale)}
+        if causal:
+            kwargs.update(sparse_mode=3, atten_mask=self._mask(query.device))
+        out, _ = self._npu.npu_fused_infer_attention_score(
+            query.contiguous(),
+            k_cache.view(num_blocks, block_size, num_kv_heads * head_dim),
+            v_cache.view(num_blocks, block_size, num_kv_heads * head_dim),
+            block_table=block_tables.to(torch.int32).contiguous(),
+            input_layout="TND", block_size=block_size,
+            actual_seq_lengths=q_ends, actual_seq_lengths_kv=kv_lens,
+            num_heads=query.shape[1], num_key_value_heads=num_kv_heads,
+            inner_precise=0, **kwargs)
+        return out.view(query.shape[0], query.shape[1], v_cache.shape[-1])
+
+    def prefill(self, query, key, value, k_cache, v_cache, meta: PrefillMetadata,
+                scale: float) -> torch.Tensor:
+        """Reads every token (cached prefix and new) from the caches; key/value unused."""
+        return self._attention(query, k_cache, v_cache, meta.block_tables,
+                               list(accumulate(meta.query_lens_list)), list(meta.seq_lens_list),
+                               scale, causal=True)
+
+    def decode(self, query, k_cache, v_cache, meta: DecodeMetadata, scale: float) -> torch.Tensor:
+        if meta.num_seqs == 0:
+            return torch.empty_like(query)
+        return self._attention(query, k_cache, v_cache, meta.block_tables,
+                               list(range(1, meta.num_seqs + 1)), list(meta.seq_lens_list),
+                               scale, causal=False)
+
+    def rms_norm(self, x, weight, eps: float) -> torch.Tensor:
+        return self._npu.npu_rms_norm(x, weight, epsilon=eps)[0]
+
+    def rotary(self, positions, query, key, cos, sin):
+        """cos/sin [max_pos, D/2] -> [T, 1, D] (both halves) in query's dtype, then
+        npu_rotary_mul in rotate-half mode on the TND query and key."""
+        c = cos.index_select(0, positions)
+        s = sin.index_select(0, positions)
+        c = torch.cat((c, c), dim=-1).unsqueeze(1).to(query.dtype)
+        s = torch.cat((s, s), dim=-1).unsqueeze(1).to(query.dtype)
+        rotary_mul = self._npu.npu_rotary_mul
+        return rotary_mul(query.contiguous(), c, s), rotary_mul(key.contiguous(), c, s)

@@ -1,0 +1,91 @@
+"""Kernel backend registry with lazy imports: a backend's module (and torch_npu or
+flash_attn behind it) is imported only when that backend is asked for.
+
+A registered class is constructed as cls(device=str(device)); one instance is cached per
+(name, device) and shared by every caller. get_backend is thread-safe.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+
+import torch
+
+from kernels.api import Backend
+
+ENV_VAR = "PDMESH_KERNEL_BACKEND"
+
+logger = logging.getLogger(__name__)
+_REGISTRY: dict[str, tuple[str, str]] = {
+    "ref": ("kernels.ref", "RefBackend"),
+    "npu": ("kernels.npu", "NpuBackend"),
+    "cuda": ("kernels.cuda", "CudaBackend"),
+}
+_INSTANCES: dict[tuple[str, str], Backend] = {}
+_LOCK = threading.Lock()
+
+
+def register_backend(name: str, module_path: str, class_name: str) -> None:
+    """Make `name` resolve to module_path.class_name (a Backend subclass); replaces an
+    existing entry and drops its cached instances."""
+    with _LOCK:
+        _REGISTRY[name] = (module_path, class_name)
+        for key in [k for k in _INSTANCES if k[0] == name]:
+            del _INSTANCES[key]
+
+
+def available_backends() -> list[str]:
+    """Names get_backend accepts, "auto" first."""
+    return ["auto", *_REGISTRY]
+
+
+def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> Backend:
+    """The backend for `device`. $PDMESH_KERNEL_BACKEND, when set, overrides `name`.
+
+    "auto" picks npu or cuda by device type, else ref, and falls back to ref (with a
+    warning) when that module cannot be loaded. A forced name that cannot be loaded raises
+    RuntimeError; an unknown name raises ValueError.
+    """
+    name = os.environ.get(ENV_VAR) or name
+    if name not in _REGISTRY and name != "auto":
+        raise ValueError(f"kernel backend {name!r} is unknown; allowed: "
+                         f"{', '.join(available_backends())} (argument or ${ENV_VAR})")
+    device_str = str(device)
+    with _LOCK:
+        if name == "auto":
+            device_type = device_str.split(":")[0]
+            name = device_type if device_type in ("npu", "cuda") else "ref"
+            try:
+                return _instance(name, device_str)
+            except RuntimeError as exc:
+                if name == "ref":
+                    raise
+                logger.warning("kernel backend %r unavailable, using 'ref': %s", name, exc)
+                name = "ref"
+        return _instance(name, device_str)
+
+
+def _instance(name: str, device_str: str) -> Backend:
+    key = (name, device_str)
+    if key not in _INSTANCES:
+        cls = _load(name)
+        try:
+            _INSTANCES[key] = cls(device=device_str)
+        except ImportError as exc:
+            raise RuntimeError(f"kernel backend {name!r} is unavailable: {exc}") from exc
+    return _INSTANCES[key]
+
+
+def _load(name: str) -> type[Backend]:
+    module_path, class_name = _REGISTRY[name]
+    try:
+        cls = getattr(importlib.import_module(module_path), class_name)
+    except Exception as exc:
+        raise RuntimeError(f"kernel backend {name!r} is unavailable: cannot load "
+                           f"{module_path}.{class_name}: {type(exc).__name__}: {exc}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        raise RuntimeError(f"kernel backend {name!r}: {module_path}.{class_name} "
+                           f"is not a Backend subclass")
+    return cls

@@ -1,0 +1,67 @@
+"""`pdmesh generate`: run prompts through the engine in this process and print the text
+and throughput. With no prompt, a few built-in ones; with no model folder, the built-in
+tiny model is made first (models/tiny-llama)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+DEFAULT_MODEL = "models/tiny-llama"
+DEMO_PROMPTS = [
+    "The quick brown fox",
+    "In a distant kingdom, the old queen said",
+    "def fibonacci(n):",
+    "Les fleurs du jardin",
+]
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("generate", help="generate text offline with the engine",
+                              description=__doc__)
+    p.add_argument("prompts", nargs="*", help="prompts (default: a few built-in ones)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="HF model folder (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--device", default="cpu")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    model = Path(args.model)
+    if not (model / "config.json").exists():
+        if args.model != DEFAULT_MODEL:
+            print(f"error: --model {model}: no config.json there")
+            return 2
+        from common.model.tiny import make_tiny_model
+        print(f"making the built-in tiny model in {model}", flush=True)
+        make_tiny_model("llama", model)
+    from common.engine import LLM, SamplingParams
+    llm = LLM(str(model), device=args.device)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            ignore_eos=args.ignore_eos)
+    prompts = args.prompts or DEMO_PROMPTS
+    try:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+    except ValueError as e:
+        print(f"error: {e}")
+        return 2
+    num_out = 0
+    for prompt, out in zip(prompts, outs):
+        c = out.outputs[0]
+        num_out += len(c.token_ids)
+        print(f"--- {prompt!r} ({len(out.prompt_token_ids)} prompt tokens, "
+              f"{len(c.token_ids)} generated, finish_reason={c.finish_reason})")
+        print(prompt + c.text)
+    print(f"--- {len(prompts)} prompts, {num_out} tokens in {elapsed:.2f}s: "
+          f"{num_out / elapsed:.1f} tokens/s")
+    return 0

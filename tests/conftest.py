@@ -1,0 +1,112 @@
+"""Shared fixtures: tiny models made on the spot, engines cached per configuration, and a
+leak check that every block's ref count is zero after each test."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.model.tiny import make_tiny_model
+
+_ENGINES: dict[tuple, object] = {}
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(models_dir):
+    """tiny_model(arch, **sizes) -> folder made by the tiny maker (cached per arguments)."""
+    made: dict[tuple, Path] = {}
+
+    def get(arch: str = "llama", **kwargs) -> Path:
+        key = (arch, tuple(sorted(kwargs.items())))
+        if key not in made:
+            name = f"tiny-{arch}-{len(made)}"
+            made[key] = make_tiny_model(arch, models_dir / name, **kwargs)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_saved_model(models_dir, tiny_model):
+    """hf_saved_model(kind) -> folder written by transformers' save_pretrained on random
+    weights (initializer_range raised so logits are not flat), with the tiny tokenizer."""
+    made: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind in made:
+            return made[kind]
+        import transformers as tf
+        common = dict(vocab_size=1024, hidden_size=128, intermediate_size=352, num_hidden_layers=3,
+                      num_attention_heads=8, max_position_embeddings=2048, initializer_range=0.15,
+                      bos_token_id=1, eos_token_id=2)
+        if kind == "llama-gqa":
+            cfg = tf.LlamaConfig(num_key_value_heads=2, rope_theta=50000.0, **common)
+            cls = tf.LlamaForCausalLM
+        elif kind == "llama3-rope":
+            cfg = tf.LlamaConfig(num_key_value_heads=4, rope_scaling={
+                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256}, **common)
+            cls = tf.LlamaForCausalLM
+        elif kind == "qwen2-tied":
+            cfg = tf.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common)
+            cls = tf.Qwen2ForCausalLM
+        elif kind == "qwen3":
+            cfg = tf.Qwen3Config(num_key_value_heads=4, head_dim=32, **common)
+            cls = tf.Qwen3ForCausalLM
+        elif kind == "mistral":
+            cfg = tf.MistralConfig(num_key_value_heads=2, sliding_window=None, **common)
+            cls = tf.MistralForCausalLM
+        else:
+            raise ValueError(kind)
+        torch.manual_seed(1234)
+        model = cls(cfg).eval()
+        with torch.no_grad():  # qwen2 q/k/v biases start at zero; make them matter
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.1)
+        out = models_dir / f"hf-{kind}"
+        model.save_pretrained(out)
+        src = tiny_model("llama")
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(src / f, out / f)
+        made[kind] = out
+        return out
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llm_factory():
+    """llm_factory(model_dir, **engine_args) -> LLM, cached per arguments for the session."""
+    from common.engine import LLM
+
+    def get(model_dir, **kwargs):
+        key = (str(model_dir), tuple(sorted(kwargs.items())))
+        if key not in _ENGINES:
+            _ENGINES[key] = LLM(str(model_dir), **kwargs)
+        return _ENGINES[key]
+
+    return get
+
+
+def assert_no_blocks_in_use(engine) -> None:
+    bm = engine.block_manager
+    held = [b.block_id for b in bm.blocks if b.ref_count != 0]
+    assert not held, f"blocks still referenced after the test: {held[:10]}"
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+@pytest.fixture(autouse=True)
+def no_block_leaks():
+    yield
+    for llm in _ENGINES.values():
+        assert_no_blocks_in_use(llm.engine)
