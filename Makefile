@@ -17,7 +17,7 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --upgrade pip
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[test]'
+	$(PIP) install -e '.[test,mooncake]'
 	touch $(STAMP)
 
 install: $(STAMP)

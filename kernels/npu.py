@@ -125,7 +125,7 @@ class NpuBackend(Backend):
     def _mask(self, device: torch.device) -> torch.Tensor:
         mask = self._masks.get(device)
         if mask is None:
-            mask = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.int8, device=device).triu_(1)
+            mask = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.int8).triu_(1).to(device)
             self._masks[device] = mask
         return mask
 

@@ -4,6 +4,15 @@ callers add requests and iterate their tokens.
     async for out in engine.generate("req-1", prompt_token_ids, params):
         out.new_token_ids, out.finished, out.finish_reason
 
+Disaggregated decode: `generate(..., remote=handler)` admits the request into
+REMOTE_PREFILL; the engine then awaits `handler.run(block_ids, num_cached_tokens)` (a
+prefill node writes the KV and returns the first token) and commits it, or prefills
+locally when run raises. If the caller leaves meanwhile, `handler.cancel()` is awaited
+before the blocks are freed, so no write can land in a reused block.
+
+Disaggregated prefill: `prefill(...)` computes a prompt with its blocks held after the
+first token until `release(request_id)`; `on_computed` is called on the step thread.
+
 Validation happens in the caller (ValueError before anything is queued). Adds and aborts
 are handed to the step thread through a command queue and applied between steps, so the
 event loop never waits for a step. `abort` returns once the request's blocks are freed;
@@ -16,7 +25,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine, StepOutput
@@ -29,12 +38,24 @@ class EngineDeadError(RuntimeError):
     """The step loop crashed; no request can make progress."""
 
 
+class RemotePrefill(Protocol):
+    async def run(self, block_ids: list[int], num_cached_tokens: int) -> int:
+        """Have a prefill node fill the blocks; return the first token. Raise to make
+        the decode node prefill locally."""
+
+    async def cancel(self) -> None:
+        """Stop the prefill node writing; return once no write can land any more."""
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine | EngineConfig):
         self.engine = engine if isinstance(engine, LLMEngine) else LLMEngine(engine)
         self._commands: deque[Callable[[], None]] = deque()
         self._wake = threading.Condition()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._remote: dict[str, RemotePrefill] = {}
+        self._remote_tasks: dict[str, asyncio.Task] = {}
+        self.engine.scheduler.on_remote_admit = self._on_remote_admit
         self._stopped = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="pdmesh-engine", daemon=True)
@@ -69,7 +90,8 @@ class AsyncEngine:
         return await done
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[StepOutput]:
+                       params: SamplingParams, *, remote: RemotePrefill | None = None,
+                       **add_options: Any) -> AsyncIterator[StepOutput]:
         if self._error is not None:
             raise EngineDeadError(str(self._error))
         if request_id in self._queues:
@@ -78,10 +100,13 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (loop, queue)
+        if remote is not None:
+            self._remote[request_id] = remote
         finished = False
         try:
-            await self._run_on_engine(
-                lambda: self.engine.add_request(request_id, prompt_token_ids, params))
+            await self._run_on_engine(lambda: self.engine.add_request(
+                request_id, prompt_token_ids, params, remote_prefill=remote is not None,
+                **add_options))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -92,14 +117,81 @@ class AsyncEngine:
                     return
         finally:
             self._queues.pop(request_id, None)
+            self._remote.pop(request_id, None)
             if not finished and self._error is None and not self._stopped:
-                await asyncio.shield(self._run_on_engine(lambda: self.engine.abort(request_id)))
+                await asyncio.shield(self._abort_safely(request_id, remote))
+
+    async def _abort_safely(self, request_id: str, remote: RemotePrefill | None) -> None:
+        task = self._remote_tasks.get(request_id)
+        if task is not None and remote is not None:
+            try:
+                await remote.cancel()
+            except Exception:
+                log.exception("cancelling the remote prefill of %s failed", request_id)
+            await asyncio.wait([task])
+        await self._run_on_engine(lambda: self.engine.abort(request_id))
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      on_computed: Callable[[Any, int, int], None] | None = None) -> StepOutput:
+        """Compute the prompt, sample the first token; the blocks stay held until
+        release(request_id) (also when this raises after the first token)."""
+        async for out in self.generate(request_id, prompt_token_ids, params,
+                                       hold_blocks=True, on_computed=on_computed):
+            if out.finished:
+                return out
+        raise EngineDeadError(f"prefill of {request_id} ended without a token")
+
+    async def release(self, request_id: str) -> bool:
+        return await self._run_on_engine(lambda: self.engine.release(request_id))
+
+    # ---- remote prefill (decode side) ----------------------------------------------
+    def _on_remote_admit(self, seq) -> None:
+        """Step thread: the sequence got its blocks; start its remote prefill."""
+        entry = self._queues.get(seq.request_id)
+        remote = self._remote.get(seq.request_id)
+        if entry is None or remote is None:
+            self.engine.fallback_local(seq.request_id)
+            return
+        block_ids, cached = list(seq.block_ids), seq.num_computed_tokens
+        entry[0].call_soon_threadsafe(self._start_remote, seq.request_id, remote, block_ids, cached)
+
+    def _start_remote(self, request_id: str, remote: RemotePrefill, block_ids: list[int],
+                      cached: int) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self._remote_prefill(request_id, remote, block_ids, cached))
+        self._remote_tasks[request_id] = task
+        task.add_done_callback(lambda _: self._remote_tasks.pop(request_id, None))
+
+    async def _remote_prefill(self, request_id: str, remote: RemotePrefill, block_ids: list[int],
+                              cached: int) -> None:
+        try:
+            first = await remote.run(block_ids, cached)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("remote prefill of %s failed (%s); prefilling locally", request_id, e)
+            await self._run_on_engine(lambda: self.engine.fallback_local(request_id))
+            return
+        if request_id not in self._remote:
+            return  # the caller left; _abort_safely frees the blocks
+
+        def commit():
+            if request_id not in self.engine.scheduler.remote:
+                return None
+            return self.engine.commit_remote(request_id, first)
+
+        out = await self._run_on_engine(commit)
+        entry = self._queues.get(request_id)
+        if out is not None and entry is not None:
+            entry[1].put_nowait(out)
 
     async def abort(self, request_id: str) -> bool:
         """Abort and free the request's blocks; True if it was live."""
         aborted = await self._run_on_engine(lambda: self.engine.abort(request_id))
         entry = self._queues.get(request_id)
         if aborted and entry is not None:
+            while not entry[1].empty():  # tokens of steps before the abort are dropped
+                entry[1].get_nowait()
             entry[1].put_nowait(StepOutput(request_id, [], True, "abort", 0, 0))
         return aborted
 

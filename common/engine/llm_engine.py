@@ -4,6 +4,14 @@ lives in LLM (offline) and in the gateway.
 Lifecycle of a request: add_request (validated, WAITING) -> step()* (admitted, prefilled in
 chunks, decoded) -> finished (stop | length) or abort() -> its blocks are freed at once.
 
+Disaggregation hooks:
+- decode node: add_request(remote_prefill=True) -> on admission `on_remote_admit(seq)`
+  gets the sequence's block ids -> commit_remote(first token) once a prefill node wrote
+  the KV, or fallback_local() to prefill here after all.
+- prefill node: add_request(hold_blocks=True, on_computed=cb): cb(seq, start, end) after
+  each step that computed tokens [start, end); when finished the blocks stay held (the
+  KV is still being sent) until release().
+
 Not thread-safe: one thread calls step/add_request/abort (AsyncEngine owns that thread).
 """
 from __future__ import annotations
@@ -12,6 +20,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -94,6 +103,7 @@ class LLMEngine:
         self.vocab_size = mcfg.vocab_size
         self._arrivals = 0
         self._requests: dict[str, Sequence] = {}
+        self._held: dict[str, Sequence] = {}
         log.info("engine ready: %s on %s/%s, %s, %d blocks x %d tokens, max_model_len %d (%.1fs)",
                  self.model_id, self.device, self.backend.name, self.dtype, self.num_blocks,
                  self.block_size, self.max_model_len, time.perf_counter() - start)
@@ -123,23 +133,61 @@ class LLMEngine:
             raise ValueError(f"prompt length ({len(prompt_token_ids)}) + max_tokens "
                              f"({params.max_tokens}) = {total} must be <= max_model_len "
                              f"({self.max_model_len})")
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self._held:
             raise ValueError(f"request_id {request_id!r} is already in use")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    *, remote_prefill: bool = False, hold_blocks: bool = False,
+                    on_computed: Callable[[Sequence, int, int], None] | None = None) -> Sequence:
         self.validate_request(request_id, prompt_token_ids, params)
-        seq = Sequence(request_id, list(prompt_token_ids), params, self._arrivals)
+        seq = Sequence(request_id, list(prompt_token_ids), params, self._arrivals,
+                       remote_prefill=remote_prefill, hold_blocks=hold_blocks,
+                       on_computed=on_computed)
         self._arrivals += 1
         self._requests[request_id] = seq
         self.scheduler.add(seq)
+        return seq
 
     def abort(self, request_id: str) -> bool:
-        """Finish the request as aborted and free its blocks now. False if unknown."""
+        """Finish the request as aborted and free its blocks now (held ones too).
+        False if unknown."""
+        if self.release(request_id):
+            return True
         seq = self._requests.pop(request_id, None)
         if seq is None:
             return False
         self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return True
+
+    def release(self, request_id: str) -> bool:
+        """Free the blocks a finished hold_blocks request kept. False if none held."""
+        seq = self._held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.block_manager.free(seq)
+        return True
+
+    def commit_remote(self, request_id: str, first_token: int) -> StepOutput:
+        """The prefill node wrote the prompt's KV into this sequence's blocks and sampled
+        its first token: it joins the running batch."""
+        seq = self.scheduler.remote.get(request_id)
+        if seq is None:
+            raise KeyError(f"request {request_id!r} is not waiting for a remote prefill")
+        if not 0 <= first_token < self.vocab_size:
+            raise ValueError(f"first_token {first_token} is outside the vocabulary")
+        seq.num_computed_tokens = len(seq)
+        self.block_manager.cache_full_blocks(seq)
+        if seq.generator is not None and not seq.params.greedy:
+            torch.empty(self.vocab_size).exponential_(generator=seq.generator)
+        self.scheduler.add_running(seq)
+        return self._append(seq, first_token, None)
+
+    def fallback_local(self, request_id: str) -> bool:
+        """Prefill a REMOTE_PREFILL sequence here after all (its blocks are kept)."""
+        seq = self.scheduler.remote.get(request_id)
+        if seq is None:
+            return False
+        self.scheduler.add_running(seq)
         return True
 
     def has_unfinished(self) -> bool:
@@ -152,17 +200,22 @@ class LLMEngine:
             return []
         logits, sample_seqs = self.runner.execute(sched)
         for seq in sched.decode_seqs:
-            seq.num_computed_tokens += 1
+            self._computed(seq, 1)
         for seq, n in zip(sched.prefill_seqs, sched.prefill_lens):
-            seq.num_computed_tokens += n
-        for seq in (*sched.decode_seqs, *sched.prefill_seqs):
-            self.block_manager.cache_full_blocks(seq)
+            self._computed(seq, n)
         if logits is None:
             return []
         tokens = sample(logits, sample_seqs, self.generator)
         want = [s.params.logprobs for s in sample_seqs]
         logprobs = compute_logprobs(logits, tokens, want)
         return [self._append(seq, tok, lp) for seq, tok, lp in zip(sample_seqs, tokens, logprobs)]
+
+    def _computed(self, seq: Sequence, n: int) -> None:
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens += n
+        self.block_manager.cache_full_blocks(seq)
+        if seq.on_computed is not None:
+            seq.on_computed(seq, start, start + n)
 
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> StepOutput:
         seq.token_ids.append(token)
@@ -175,8 +228,10 @@ class LLMEngine:
         elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
-            self.scheduler.finish(seq, status)
+            self.scheduler.finish(seq, status, free_blocks=not seq.hold_blocks)
             del self._requests[seq.request_id]
+            if seq.hold_blocks:
+                self._held[seq.request_id] = seq
         return StepOutput(seq.request_id, [token], status is not None,
                           seq.finish_reason if status is not None else None,
                           seq.num_prompt_tokens, max(seq.num_cached_tokens, 0),
@@ -190,6 +245,7 @@ class LLMEngine:
     def stats(self) -> dict[str, int]:
         bm = self.block_manager
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "remote_prefill": len(self.scheduler.remote), "held": len(self._held),
                 "free_blocks": bm.num_free_blocks, "used_blocks": bm.num_used_blocks,
                 "total_blocks": bm.num_blocks, "prefix_hit_tokens": bm.num_hits,
                 "prefix_query_tokens": bm.num_queries, "preemptions": self.scheduler.num_preemptions}

@@ -5,7 +5,9 @@ first: a decoding one takes 1 token, a prefilling one the next chunk of its prom
 running sequence needs a block and none is free, the newest running sequence is preempted
 (blocks freed, back to the front of the waiting queue, recomputed later). Waiting
 sequences are admitted in FIFO order while seats (`max_num_seqs`), budget and blocks last;
-admission allocates blocks for the whole prompt, prefix-cache hits first.
+admission allocates blocks for the whole prompt, prefix-cache hits first. A sequence
+marked `remote_prefill` is admitted into `remote` instead (its KV comes from a prefill
+node; `on_remote_admit` is told) and joins `running` later through `add_running`.
 
 Not thread-safe: the engine's step loop owns it.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from common.engine.block_manager import BlockManager
 from common.engine.sequence import Sequence, SequenceStatus
@@ -45,13 +48,26 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.remote: dict[str, Sequence] = {}
+        self.on_remote_admit: Callable[[Sequence], None] | None = None
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
+        """Work a step can do (sequences in remote prefill wait on another node)."""
         return bool(self.waiting or self.running)
+
+    @property
+    def num_seats_taken(self) -> int:
+        return len(self.running) + len(self.remote)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A remote-prefilled sequence joins the batch (its blocks hold the prompt's KV)."""
+        self.remote.pop(seq.request_id, None)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -75,10 +91,18 @@ class Scheduler:
             i += 1
         if out.preempted:
             return out
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+        while self.waiting and self.num_seats_taken < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if not bm.allocate(seq):
                 break
+            if seq.remote_prefill:
+                self.waiting.popleft()
+                seq.num_cached_tokens = seq.num_computed_tokens
+                seq.status = SequenceStatus.REMOTE_PREFILL
+                self.remote[seq.request_id] = seq
+                if self.on_remote_admit is not None:
+                    self.on_remote_admit(seq)
+                continue
             if not self.enable_chunked_prefill and len(seq) - seq.num_computed_tokens > budget:
                 bm.free(seq)
                 break
@@ -109,13 +133,16 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Mark seq finished and free its blocks; it leaves running or waiting."""
+    def finish(self, seq: Sequence, status: SequenceStatus, free_blocks: bool = True) -> None:
+        """Mark seq finished; it leaves running, waiting or remote. Its blocks are freed
+        unless free_blocks is False (the caller then owns them)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.block_ids:
+        else:
+            self.remote.pop(seq.request_id, None)
+        if seq.block_ids and free_blocks:
             self.block_manager.free(seq)
         seq.status = status
 
@@ -126,4 +153,4 @@ class Scheduler:
         for seq in self.waiting:
             if seq.request_id == request_id:
                 return seq
-        return None
+        return self.remote.get(request_id)

@@ -1,6 +1,8 @@
 """A request inside the engine.
 
 Lifecycle: WAITING -> RUNNING (prefill chunks, then one token a step) -> FINISHED_*.
+A decode node's disaggregated request goes WAITING -> REMOTE_PREFILL (blocks allocated,
+a prefill node writes them) -> RUNNING with its first token, or back to local prefill.
 Preemption moves RUNNING back to WAITING with its blocks freed; it is then recomputed as
 a prompt of prompt + generated tokens (prefix-cache hits make that cheap).
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Callable
 
 import torch
 
@@ -19,10 +22,11 @@ from common.engine.sampling_params import SamplingParams
 
 class SequenceStatus(IntEnum):
     WAITING = 0
-    RUNNING = 1
-    FINISHED_STOPPED = 2
-    FINISHED_LENGTH = 3
-    FINISHED_ABORTED = 4
+    REMOTE_PREFILL = 1
+    RUNNING = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
 
     @property
     def finished(self) -> bool:
@@ -51,6 +55,9 @@ class Sequence:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    remote_prefill: bool = False         # admit into REMOTE_PREFILL instead of computing
+    hold_blocks: bool = False            # keep blocks after finishing until released
+    on_computed: Callable[["Sequence", int, int], None] | None = None  # (seq, start, end)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)

@@ -187,6 +187,56 @@ def paged_attention_math(query, key_cache, value_cache, block_table, q_lens, kv_
     return out, lse
 
 
+def _fia_lengths(op: str, args: dict, num_tokens: int) -> tuple[list[int], list[int]]:
+    """(q_lens, kv_lens) from actual_seq_lengths (cumulative) and actual_seq_lengths_kv."""
+    q_ends = _host_ints(op, "actual_seq_lengths", args["actual_seq_lengths"])
+    kv_lens = _host_ints(op, "actual_seq_lengths_kv", args["actual_seq_lengths_kv"])
+    batch = len(q_ends)
+    _require(0 < batch <= 4096, op, f"actual_seq_lengths must hold 1..4096 entries, got {batch}")
+    _require(all(b >= a for a, b in zip([0] + q_ends, q_ends)), op,
+             f"actual_seq_lengths must be cumulative query ends, non-decreasing from >= 0, got {q_ends}")
+    _require(q_ends[-1] == num_tokens, op,
+             f"actual_seq_lengths must end at the query's T ({num_tokens}), got {q_ends[-1]}")
+    _require(len(kv_lens) == batch, op,
+             f"len(actual_seq_lengths_kv) ({len(kv_lens)}) must equal the batch size B ({batch})")
+    return [b - a for a, b in zip([0] + q_ends, q_ends)], kv_lens
+
+
+def _fia_pages(op: str, args: dict, key, value, q_lens, kv_lens, kv_heads: int, head_dim: int):
+    """Checks block_table, block_size and the paged caches; returns the caches viewed as
+    [blocks, block_size, KV_N, D]."""
+    table, block_size = args["block_table"], args["block_size"]
+    _require(table.dtype == torch.int32, op, f"block_table dtype must be int32, got {table.dtype}")
+    _require(table.dim() == 2 and table.shape[0] == len(q_lens), op,
+             f"block_table must be 2-D with one row per request (B = {len(q_lens)}), got {tuple(table.shape)}")
+    if max(q_lens) > 1:
+        _require(block_size % 128 == 0 and 128 <= block_size <= 512, op,
+                 f"page attention with query length > 1 needs block_size a multiple of 128 in [128, 512], "
+                 f"got {block_size}")
+    else:
+        _require(block_size % 16 == 0 and 16 <= block_size <= 512, op,
+                 f"page attention needs block_size a multiple of 16 <= 512, got {block_size}")
+    if key.dim() == 3:
+        _require(key.shape[1] == block_size and key.shape[2] == kv_heads * head_dim, op,
+                 f"key cache (blocks, block_size, H) must be (*, {block_size}, {kv_heads * head_dim}), "
+                 f"got {tuple(key.shape)}")
+        caches = tuple(t.view(t.shape[0], block_size, kv_heads, head_dim) for t in (key, value))
+    else:
+        _require(key.dim() == 4 and tuple(key.shape[1:]) == (kv_heads, block_size, head_dim), op,
+                 f"key cache (blocks, KV_N, block_size, D) must be (*, {kv_heads}, {block_size}, "
+                 f"{head_dim}), got {tuple(key.shape)}")
+        caches = tuple(t.transpose(1, 2) for t in (key, value))
+    _require(key.shape == value.shape, op, "key and value caches must have the same shape")
+    capacity = table.shape[1] * block_size
+    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        _require(q_len <= kv_len <= capacity, op, f"request {b}: need q_len ({q_len}) <= kv_len "
+                                                  f"({kv_len}) <= block_table capacity ({capacity})")
+        ids = table[b, :-(-kv_len // block_size)]
+        _require(bool(((ids >= 0) & (ids < key.shape[0])).all()), op,
+                 f"request {b}: block ids must lie in [0, {key.shape[0]}), got {ids.tolist()}")
+    return caches
+
+
 def _fused_infer_attention_score(query, key, value, *, _strict_head_dim, _scale_keyword, **kw):
     op = "npu_fused_infer_attention_score"
     args = {**dict.fromkeys(_FIA_KEYWORDS), **_FIA_DEFAULTS, **kw}
@@ -208,60 +258,19 @@ def _fused_infer_attention_score(query, key, value, *, _strict_head_dim, _scale_
              f"num_heads ({num_heads}) must be divisible by num_key_value_heads ({kv_heads}), ratio <= 64")
     _require(head_dim % 16 == 0 and head_dim <= 512, op, f"D must be a multiple of 16 <= 512, got {head_dim}")
     _require(not _strict_head_dim or head_dim in (128, 192), op, f"TND needs D of 128 or 192, got {head_dim}")
-    q_ends = _host_ints(op, "actual_seq_lengths", args["actual_seq_lengths"])
-    kv_lens = _host_ints(op, "actual_seq_lengths_kv", args["actual_seq_lengths_kv"])
-    batch = len(q_ends)
-    _require(0 < batch <= 4096, op, f"actual_seq_lengths must hold 1..4096 entries, got {batch}")
-    _require(all(b >= a for a, b in zip([0] + q_ends, q_ends)), op,
-             f"actual_seq_lengths must be cumulative query ends, non-decreasing from >= 0, got {q_ends}")
-    _require(q_ends[-1] == num_tokens, op,
-             f"actual_seq_lengths must end at the query's T ({num_tokens}), got {q_ends[-1]}")
-    _require(len(kv_lens) == batch, op,
-             f"len(actual_seq_lengths_kv) ({len(kv_lens)}) must equal the batch size B ({batch})")
-    q_lens = [b - a for a, b in zip([0] + q_ends, q_ends)]
-    table, block_size = args["block_table"], args["block_size"]
-    _require(table.dtype == torch.int32, op, f"block_table dtype must be int32, got {table.dtype}")
-    _require(table.dim() == 2 and table.shape[0] == batch, op,
-             f"block_table must be 2-D with one row per request (B = {batch}), got {tuple(table.shape)}")
-    if max(q_lens) > 1:
-        _require(block_size % 128 == 0 and 128 <= block_size <= 512, op,
-                 f"page attention with query length > 1 needs block_size a multiple of 128 in [128, 512], "
-                 f"got {block_size}")
-    else:
-        _require(block_size % 16 == 0 and 16 <= block_size <= 512, op,
-                 f"page attention needs block_size a multiple of 16 <= 512, got {block_size}")
-    if key.dim() == 3:
-        _require(key.shape[1] == block_size and key.shape[2] == kv_heads * head_dim, op,
-                 f"key cache (blocks, block_size, H) must be (*, {block_size}, {kv_heads * head_dim}), "
-                 f"got {tuple(key.shape)}")
-        k_cache, v_cache = (t.view(t.shape[0], block_size, kv_heads, head_dim) for t in (key, value))
-    else:
-        _require(key.dim() == 4 and tuple(key.shape[1:]) == (kv_heads, block_size, head_dim), op,
-                 f"key cache (blocks, KV_N, block_size, D) must be (*, {kv_heads}, {block_size}, "
-                 f"{head_dim}), got {tuple(key.shape)}")
-        k_cache, v_cache = (t.transpose(1, 2) for t in (key, value))
-    _require(key.shape == value.shape, op, "key and value caches must have the same shape")
-    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
-        needed = -(-kv_len // block_size)
-        _require(q_len <= kv_len <= table.shape[1] * block_size, op,
-                 f"request {b}: need q_len ({q_len}) <= kv_len ({kv_len}) <= block_table capacity "
-                 f"({table.shape[1] * block_size})")
-        ids = table[b, :needed]
-        _require(bool(((ids >= 0) & (ids < key.shape[0])).all()), op,
-                 f"request {b}: block ids must lie in [0, {key.shape[0]}), got {ids.tolist()}")
+    q_lens, kv_lens = _fia_lengths(op, args, num_tokens)
+    k_cache, v_cache = _fia_pages(op, args, key, value, q_lens, kv_lens, kv_heads, head_dim)
     mode = args["sparse_mode"]
     if mode == 3:
         _check_mask(op, args["atten_mask"])
-    elif mode == 0:
-        if args["atten_mask"] is not None:
-            raise NotImplementedError(f"{op}: the emulator models sparse_mode=0 without a mask only")
-    else:
-        raise NotImplementedError(f"{op}: the emulator models sparse_mode 0 and 3 only, got {mode}")
+    elif mode != 0 or args["atten_mask"] is not None:
+        raise NotImplementedError(f"{op}: the emulator models sparse_mode 3 and sparse_mode 0 "
+                                  f"without a mask only, got sparse_mode={mode}")
     _require(args["inner_precise"] in ((0, 1, 2, 3) if max(q_lens) > 1 else (0, 1)), op,
              f"inner_precise must be 0..3 (0 or 1 when every query length is 1), got {args['inner_precise']}")
     _require(isinstance(scale, float), op, f"{_scale_keyword} must be a float, got {type(scale).__name__}")
-    out, lse = paged_attention_math(query, k_cache, v_cache, table, q_lens, kv_lens, scale,
-                                    causal=mode == 3, with_lse=args["softmax_lse_flag"])
+    out, lse = paged_attention_math(query, k_cache, v_cache, args["block_table"], q_lens, kv_lens,
+                                    scale, causal=mode == 3, with_lse=args["softmax_lse_flag"])
     return out, (lse if lse is not None else torch.zeros(1, device=query.device))
 
 
@@ -324,15 +333,20 @@ def is_emulated(module: types.ModuleType | None) -> bool:
     return bool(getattr(module, "_pdmesh_emulator", False))
 
 
+def real_torch_npu_importable() -> bool:
+    """Whether `import torch_npu` would give a real (not emulated) torch_npu."""
+    current = sys.modules.get("torch_npu")
+    if current is not None:
+        return not is_emulated(current)
+    return "torch_npu" not in sys.modules and importlib.util.find_spec("torch_npu") is not None
+
+
 def install(*, without: tuple[str, ...] = (), scale_keyword: str = "scale",
             strict_head_dim: bool = False) -> bool:
     """Install the emulator as sys.modules["torch_npu"] (replacing an earlier emulator) unless
     a real torch_npu is importable. `without` drops ops (to test fallbacks); scale_keyword
     is "scale" (torch_npu >= 2.5) or "scale_value" (older). Returns whether it installed."""
-    current = sys.modules.get("torch_npu")
-    if current is not None and not is_emulated(current):
-        return False
-    if current is None and importlib.util.find_spec("torch_npu") is not None:
+    if real_torch_npu_importable():
         return False
     if scale_keyword not in ("scale", "scale_value"):
         raise ValueError(f"scale_keyword must be 'scale' or 'scale_value', got {scale_keyword!r}")

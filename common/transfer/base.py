@@ -1,0 +1,51 @@
+"""KV data plane: one-sided writes into a peer's registered memory.
+
+Every node registers its whole KV cache once (`register`) and publishes
+`endpoint` plus the region's base address in its NodeInfo. A writer then moves bytes
+with `write(peer_endpoint, [(local_addr, remote_addr, length), ...])`: one batched call,
+returning only when every byte is acknowledged by the receiver; TransferError otherwise
+(unreachable peer, address outside the peer's registered regions, injected fault).
+
+Backends (common/transfer/registry.py): `mooncake` (Mooncake Transfer Engine, tcp here,
+rdma on RoCE), `grpc` (bytes over a gRPC client stream; the receiver serves the
+KVTransfer service), `fake` (in-process memmove with fault injection, for unit tests).
+
+Thread-safety: `write` may be called from several threads at once; `register` and
+`close` are called once each, from the owning service.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+class TransferError(RuntimeError):
+    """A write did not complete; nothing is known about which bytes arrived."""
+
+
+@dataclass(frozen=True)
+class Region:
+    address: int
+    length: int
+
+
+class TransferEngine(ABC):
+    name: str = "abstract"
+
+    @property
+    @abstractmethod
+    def endpoint(self) -> str:
+        """How peers address this node (e.g. "127.0.0.1:15432")."""
+
+    @abstractmethod
+    def register(self, address: int, length: int) -> Region:
+        """Expose [address, address + length) of this process's memory to peers' writes.
+        The memory must stay alive until close()."""
+
+    @abstractmethod
+    def write(self, peer: str, batch: list[tuple[int, int, int]]) -> int:
+        """Copy each (local_address, remote_address, length) to the peer; returns the
+        number of bytes written once all are acknowledged. Raises TransferError."""
+
+    def close(self) -> None:
+        """Release registrations and connections. Optional."""

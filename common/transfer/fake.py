@@ -1,0 +1,100 @@
+"""In-process transfer backend for unit tests: write = ctypes.memmove between regions that
+engines of this process registered, with fault injection.
+
+Endpoints ("fake:1", "fake:2", ...) live in a class-level directory until close(). Stricter
+than the TCP backends, as RDMA is: the local range of a write must lie in a region this
+engine registered, and the remote range in one the peer registered. All methods are
+thread-safe.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+import time
+
+from common.transfer.base import Region, TransferEngine, TransferError
+
+
+class FakeTransfer(TransferEngine):
+    name = "fake"
+    _directory: dict[str, FakeTransfer] = {}
+    _ids = itertools.count(1)
+    _directory_lock = threading.Lock()
+
+    def __init__(self, delay_s: float = 0.0):
+        self.delay_s = delay_s
+        self.num_writes = 0
+        self.num_bytes = 0
+        self._regions: tuple[Region, ...] = ()
+        self._lock = threading.Lock()
+        self._fail_next: list[BaseException] = []
+        self._failed_peers: set[str] = set()
+        with self._directory_lock:
+            self._endpoint = f"fake:{next(self._ids)}"
+            self._directory[self._endpoint] = self
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def register(self, address: int, length: int) -> Region:
+        if address <= 0 or length <= 0:
+            raise ValueError(f"region ({address:#x}, {length}) must have address > 0 and length > 0")
+        region = Region(address, length)
+        with self._lock:
+            self._regions = self._regions + (region,)
+        return region
+
+    def fail_next(self, n: int = 1, error: BaseException | None = None) -> None:
+        """The next n writes raise `error` (default TransferError) and copy nothing."""
+        with self._lock:
+            self._fail_next += [error or TransferError("injected failure")] * n
+
+    def fail_peer(self, endpoint: str) -> None:
+        """Every later write from this engine to `endpoint` raises TransferError."""
+        with self._lock:
+            self._failed_peers.add(endpoint)
+
+    def heal_peer(self, endpoint: str) -> None:
+        with self._lock:
+            self._failed_peers.discard(endpoint)
+
+    def contains(self, address: int, length: int) -> bool:
+        return any(r.address <= address and address + length <= r.address + r.length
+                   for r in self._regions)
+
+    def write(self, peer: str, batch: list[tuple[int, int, int]]) -> int:
+        with self._lock:
+            injected = self._fail_next.pop(0) if self._fail_next else None
+            peer_failed = peer in self._failed_peers
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if injected is not None:
+            raise injected
+        if peer_failed:
+            raise TransferError(f"peer {peer} unreachable (injected)")
+        target = self._directory.get(peer)
+        if target is None:
+            raise TransferError(f"peer {peer} unreachable: no such fake endpoint")
+        for local, remote, length in batch:
+            if length < 0:
+                raise TransferError(f"negative length {length}")
+            if length and not self.contains(local, length):
+                raise TransferError(f"local range ({local:#x}, {length}) not registered on {self.endpoint}")
+            if length and not target.contains(remote, length):
+                raise TransferError(f"remote range ({remote:#x}, {length}) not registered on {peer}")
+        total = 0
+        for local, remote, length in batch:
+            if length:
+                ctypes.memmove(remote, local, length)
+                total += length
+        with self._lock:
+            self.num_writes += 1
+            self.num_bytes += total
+        return total
+
+    def close(self) -> None:
+        with self._directory_lock:
+            self._directory.pop(self._endpoint, None)
+        self._regions = ()

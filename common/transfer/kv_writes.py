@@ -1,0 +1,87 @@
+"""Turning "copy these blocks into those blocks" into byte-range writes.
+
+Address arithmetic (strides in bytes, from KVLayout):
+
+    kv_cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+
+    base_address
+    |
+    v
+    +-- layer 0 --------------------------------+-- layer 1 ---------- ...
+    | K: [blk 0][blk 1][blk 2] ... [blk N-1]    |
+    | V: [blk 0][blk 1][blk 2] ... [blk N-1]    |
+    +-------------------------------------------+--------------------- ...
+         <-->  block_bytes = block_size * num_kv_heads * head_dim * itemsize
+
+    address(layer, kv, b) = base + layer * strides[0] + kv * strides[1] + b * strides[2]
+
+Source ids [4, 5, 6, 9] -> destination ids [0, 1, 2, 3] form two runs, ([4, 5, 6] -> [0, 1, 2])
+and ([9] -> [3]): a run is a maximal stretch where both the source and the destination ids
+go up by one, so it is one contiguous range on each side. Each (layer, k/v, run) becomes one
+(local_address, remote_address, run_length * block_bytes) write, in the order
+layer, then K before V, then run.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from common.transfer.base import TransferEngine
+from common.transfer.layout import KVLayout
+
+
+def block_runs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Maximal (src_start, dst_start, num_blocks) runs, in the order given."""
+    runs: list[list[int]] = []
+    for s, d in zip(src_block_ids, dst_block_ids):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [tuple(r) for r in runs]
+
+
+def _check_ids(name: str, block_ids: Sequence[int], num_blocks: int) -> None:
+    bad = [b for b in block_ids if not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"{name} {bad[:8]} outside [0, {num_blocks})")
+
+
+def plan_block_writes(src: KVLayout, dst: KVLayout, src_block_ids: Sequence[int],
+                      dst_block_ids: Sequence[int], layers: Sequence[int] | None = None,
+                      ) -> list[tuple[int, int, int]]:
+    """(local_address, remote_address, length) writes copying src blocks into dst blocks for
+    the given layers (default: all). Pure; ValueError on incompatible layouts, unequal id
+    counts, ids or layers out of range, or a destination id given twice."""
+    src.check_compatible(dst)
+    if len(src_block_ids) != len(dst_block_ids):
+        raise ValueError(f"{len(src_block_ids)} source block ids but {len(dst_block_ids)} destination ids")
+    _check_ids("src_block_ids", src_block_ids, src.num_blocks)
+    _check_ids("dst_block_ids", dst_block_ids, dst.num_blocks)
+    if len(set(dst_block_ids)) != len(dst_block_ids):
+        raise ValueError(f"dst_block_ids has duplicates: {list(dst_block_ids)}")
+    layers = range(src.num_layers) if layers is None else layers
+    bad_layers = [layer for layer in layers if not 0 <= layer < src.num_layers]
+    if bad_layers:
+        raise ValueError(f"layers {bad_layers} outside [0, {src.num_layers})")
+    runs = block_runs(src_block_ids, dst_block_ids)
+    return [(src.block_address(layer, kv, s), dst.block_address(layer, kv, d), n * src.block_bytes)
+            for layer in layers for kv in (0, 1) for s, d, n in runs]
+
+
+class KVSender:
+    """Pushes blocks of the local KV cache into a peer's KV cache with one batched write.
+    Holds no state besides its arguments; thread-safe if the engine's write is."""
+
+    def __init__(self, engine: TransferEngine, local: KVLayout):
+        self.engine = engine
+        self.local = local
+
+    def send_blocks(self, peer_endpoint: str, dst_layout: KVLayout, src_block_ids: Sequence[int],
+                    dst_block_ids: Sequence[int], layers: Sequence[int] | None = None) -> int:
+        """Copy src blocks (local) into dst blocks (peer); returns bytes written once the peer
+        acknowledged all of them. ValueError as plan_block_writes; TransferError from the
+        engine (then nothing is known about which bytes arrived)."""
+        batch = plan_block_writes(self.local, dst_layout, src_block_ids, dst_block_ids, layers)
+        if not batch:
+            return 0
+        return self.engine.write(peer_endpoint, batch)
