@@ -2,7 +2,7 @@
 leak check that every block's ref count is zero after each test."""
 from __future__ import annotations
 
-import json
+import os
 import shutil
 from pathlib import Path
 
@@ -12,6 +12,25 @@ import torch
 from common.model.tiny import make_tiny_model
 
 _ENGINES: dict[tuple, object] = {}
+
+# Under PDMESH_KERNEL_BACKEND=npu the engine suite runs the NPU backend through the
+# torch_npu emulator (CPU tensors), whose attention needs blocks of 128 tokens.
+FORCED_BACKEND = os.environ.get("PDMESH_KERNEL_BACKEND", "")
+BLOCK_SIZE = 128 if FORCED_BACKEND == "npu" else 16
+
+
+def pytest_configure(config):
+    if FORCED_BACKEND == "npu":
+        from kernels.testing import fake_torch_npu
+        fake_torch_npu.install()
+
+
+@pytest.fixture(scope="session")
+def npu_emulator():
+    """The torch_npu emulator, installed for the rest of the session (a real torch_npu wins)."""
+    from kernels.testing import fake_torch_npu
+    fake_torch_npu.install()
+    return fake_torch_npu
 
 
 @pytest.fixture(scope="session")

@@ -20,13 +20,10 @@ mutex, and every write allocates its own batch, so `write` needs no lock here.
 """
 from __future__ import annotations
 
-import os
-
 from common.transfer.base import Region, TransferEngine, TransferError
 
 
 def _import_engine():
-    os.environ.setdefault("GLOG_minloglevel", "1")
     try:
         from mooncake.engine import TransferEngine as MooncakeEngine
     except ImportError as exc:

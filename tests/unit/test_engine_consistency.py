@@ -7,6 +7,7 @@ import random
 import pytest
 
 from common.engine import SamplingParams
+from tests.conftest import BLOCK_SIZE
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
@@ -46,11 +47,12 @@ def test_batched_with_16_mixed_requests(model, llm_factory, target, alone):
 
 
 def test_warm_prefix_cache(model, llm_factory, target, alone):
-    llm = llm_factory(model, block_size=16)
+    llm = llm_factory(model, block_size=BLOCK_SIZE)
     first = llm.generate({"prompt_token_ids": target}, GREEDY)[0]
     second = llm.generate({"prompt_token_ids": target}, GREEDY)[0]
     assert first.outputs[0].token_ids == alone
-    assert second.num_cached_tokens == 144          # 9 full blocks; the last token is recomputed
+    # every full block of the 150-token prompt but the one holding its last token
+    assert second.num_cached_tokens == (150 - 1) // BLOCK_SIZE * BLOCK_SIZE
     assert second.outputs[0].token_ids == alone
 
 
@@ -62,7 +64,7 @@ def test_chunked_prefill_of_chunk_32(model, llm_factory, target, alone):
 
 
 def test_after_preemption(model, llm_factory, target, alone):
-    llm = llm_factory(model, block_size=16, num_blocks=24, max_model_len=384)
+    llm = llm_factory(model, block_size=BLOCK_SIZE, num_blocks=384 // BLOCK_SIZE, max_model_len=384)
     before = llm.engine.scheduler.num_preemptions
     prompts = [target] + batch_prompts(1000, n=5, seed=9)
     prompts = [p[:150] for p in prompts]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from common.engine import SamplingParams
+from tests.conftest import BLOCK_SIZE
 
 NUM_PROMPTS, NEW_TOKENS, REL_MARGIN = 16, 64, 1e-4
 
@@ -51,10 +52,12 @@ def count_near_tie_divergences(ours: list[int], ref_logits: torch.Tensor, label:
     return ties
 
 
-def run_equality(model_dir, llm_factory):
+def run_equality(model_dir, llm_factory, **engine_args):
     import transformers
     ref_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    llm = llm_factory(model_dir, block_size=16, num_blocks=512, max_num_seqs=16)
+    engine_args.setdefault("block_size", BLOCK_SIZE)
+    llm = llm_factory(model_dir, num_blocks=8192 // engine_args["block_size"], max_num_seqs=16,
+                      **engine_args)
     prompts = mixed_prompts(ref_model.config.vocab_size)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -75,3 +78,9 @@ def test_tiny_maker_models_match_transformers(arch, tiny_model, llm_factory):
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-tied", "qwen3", "llama3-rope", "mistral"])
 def test_save_pretrained_models_match_transformers(kind, hf_saved_model, llm_factory):
     run_equality(hf_saved_model(kind), llm_factory)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_npu_backend_through_emulator_matches_transformers(arch, tiny_model, llm_factory,
+                                                           npu_emulator):
+    run_equality(tiny_model(arch), llm_factory, kernel_backend="npu", block_size=128)
