@@ -55,3 +55,136 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine argument(s) {unknown}; allowed: {sorted(known)}")
         return cls(model=str(model), **kwargs)
+
+
+ROLES = ("prefill", "decode", "both")
+POLICIES = ("least_load", "round_robin")
+TRANSFER_BACKENDS = ("mooncake", "grpc", "fake")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    backend: str = "mooncake"
+    protocol: str = "tcp"            # mooncake: tcp here, rdma on RoCE, ascend on HCCS
+    hostname: str = "127.0.0.1"
+    device_name: str = ""            # mooncake rdma NIC, e.g. mlx5_0
+    metadata_server: str = "P2PHANDSHAKE"
+
+    def __post_init__(self) -> None:
+        if self.backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"transfer.backend must be one of {TRANSFER_BACKENDS}, got {self.backend!r}")
+
+
+@dataclass(frozen=True)
+class MetaConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    ttl_seconds: float = 3.0
+    policy: str = "least_load"
+    local_prefill_max_tokens: int = 0   # prompts shorter than this prefill on the decode node
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"meta_server.policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.ttl_seconds <= 0:
+            raise ValueError(f"meta_server.ttl_seconds must be > 0, got {self.ttl_seconds}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 50050
+    request_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    role: str
+    node_id: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    prefill_timeout_s: float = 30.0     # decode: give up on a prefill node after this
+    max_queue: int = 256                # decode: waiting requests before RESOURCE_EXHAUSTED
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"nodes[].role must be one of {ROLES}, got {self.role!r}")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """A whole mesh (deploy/local.yaml). Every service reads the part it needs."""
+
+    model: str
+    model_id: str = ""
+    tiny_arch: str = ""                 # make the model folder with the tiny maker if missing
+    cluster: str = "local"
+    engine: dict[str, Any] = dataclasses.field(default_factory=dict)
+    meta: MetaConfig = MetaConfig()
+    gateway: GatewayConfig = GatewayConfig()
+    nodes: tuple[NodeConfig, ...] = ()
+    transfer: TransferConfig = TransferConfig()
+
+    def engine_config(self) -> EngineConfig:
+        args = {"model_id": self.resolved_model_id, **self.engine}
+        return EngineConfig.from_kwargs(self.model, **args)
+
+    @property
+    def resolved_model_id(self) -> str:
+        from pathlib import Path
+        return self.model_id or Path(self.model).name
+
+    def node(self, node_id: str) -> NodeConfig:
+        for n in self.nodes:
+            if n.node_id == node_id:
+                return n
+        raise ValueError(f"node_id must be one of {[n.node_id for n in self.nodes]}, got {node_id!r}")
+
+
+def _section(cls, raw: Any, name: str):
+    if raw is None:
+        return cls()
+    if not isinstance(raw, dict):
+        raise ValueError(f"{name} must be a mapping, got {type(raw).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{name}: unknown field(s) {unknown}; allowed: {sorted(known)}")
+    return cls(**raw)
+
+
+def mesh_config_from_dict(raw: dict[str, Any], base_dir: str = ".") -> MeshConfig:
+    """Build a MeshConfig; relative model paths are taken from base_dir."""
+    from pathlib import Path
+    known = {"model", "model_id", "tiny_arch", "cluster", "engine", "meta_server", "gateway",
+             "nodes", "transfer"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"unknown top-level field(s) {unknown}; allowed: {sorted(known)}")
+    if "model" not in raw:
+        raise ValueError("model (the model folder) is required")
+    model = Path(raw["model"])
+    if not model.is_absolute():
+        model = Path(base_dir) / model
+    nodes = tuple(_section(NodeConfig, n, f"nodes[{i}]") for i, n in enumerate(raw.get("nodes") or []))
+    return MeshConfig(
+        model=str(model), model_id=raw.get("model_id", ""), tiny_arch=raw.get("tiny_arch", ""),
+        cluster=raw.get("cluster", "local"), engine=dict(raw.get("engine") or {}),
+        meta=_section(MetaConfig, raw.get("meta_server"), "meta_server"),
+        gateway=_section(GatewayConfig, raw.get("gateway"), "gateway"),
+        nodes=nodes, transfer=_section(TransferConfig, raw.get("transfer"), "transfer"))
+
+
+def load_mesh_config(path: str) -> MeshConfig:
+    """Read a mesh YAML; relative paths in it are relative to the working directory."""
+    import yaml
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    try:
+        return mesh_config_from_dict(raw)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from None

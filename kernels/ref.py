@@ -101,11 +101,11 @@ def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[seqs, cols] block ids -> float32 [seqs, kv_heads, cols * block_size, head_dim]."""
-    seqs, cols = block_tables.shape
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, seqs: int) -> torch.Tensor:
+    """Flat block ids [seqs * cols] -> float32 [seqs, kv_heads, cols * block_size, head_dim]."""
     _, block_size, num_kv_heads, head_dim = cache.shape
-    blocks = cache.index_select(0, block_tables.reshape(-1))
+    cols = block_ids.numel() // seqs
+    blocks = cache.index_select(0, block_ids)
     out = torch.empty(seqs, num_kv_heads, cols * block_size, head_dim,
                       dtype=torch.float32, device=cache.device)
     out.view(seqs, num_kv_heads, cols, block_size, head_dim).copy_(
@@ -115,24 +115,25 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 def _attend(q, k_cache, v_cache, block_tables, seq_lens, cols) -> torch.Tensor:
     """q float32 [seqs, kv_heads, group, head_dim], pre-scaled -> same shape."""
-    num_blocks = block_tables.shape[1]
+    seqs, num_blocks = block_tables.shape
     block_size = k_cache.shape[1]
     tiles = [(c, min(c + cols, num_blocks)) for c in range(0, num_blocks, cols)]
+    ids = [block_tables[:, c0:c1].reshape(-1) for c0, c1 in tiles]
     if len(tiles) == 1:
-        scores = torch.matmul(q, _gather(k_cache, block_tables).transpose(2, 3))
+        scores = torch.matmul(q, _gather(k_cache, ids[0], seqs).transpose(2, 3))
     else:
         scores = q.new_empty(*q.shape[:3], num_blocks * block_size)
-        for c0, c1 in tiles:
-            k = _gather(k_cache, block_tables[:, c0:c1])
+        for (c0, c1), tile_ids in zip(tiles, ids):
+            k = _gather(k_cache, tile_ids, seqs)
             scores[..., c0 * block_size:c1 * block_size] = torch.matmul(q, k.transpose(2, 3))
     positions = torch.arange(scores.shape[-1], device=q.device)
     scores.masked_fill_((positions >= seq_lens[:, None])[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if len(tiles) == 1:
-        return torch.matmul(probs, _gather(v_cache, block_tables))
+        return torch.matmul(probs, _gather(v_cache, ids[0], seqs))
     out = None
-    for c0, c1 in tiles:
+    for (c0, c1), tile_ids in zip(tiles, ids):
         part = torch.matmul(probs[..., c0 * block_size:c1 * block_size],
-                            _gather(v_cache, block_tables[:, c0:c1]))
+                            _gather(v_cache, tile_ids, seqs))
         out = part if out is None else out.add_(part)
     return out

@@ -16,6 +16,7 @@ from typing import Sequence
 SUBCOMMANDS: tuple[str, ...] = (
     "services.cli_tiny",
     "services.cli_generate",
+    "services.cli_serve",
 )
 
 

@@ -51,6 +51,7 @@ class StepOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     new_logprobs: list[dict[int, float]] | None = None
+    queue_s: float = 0.0                 # arrival to first admission
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -232,10 +233,11 @@ class LLMEngine:
             del self._requests[seq.request_id]
             if seq.hold_blocks:
                 self._held[seq.request_id] = seq
+        queue_s = (seq.first_scheduled_time or seq.arrival_time) - seq.arrival_time
         return StepOutput(seq.request_id, [token], status is not None,
                           seq.finish_reason if status is not None else None,
                           seq.num_prompt_tokens, max(seq.num_cached_tokens, 0),
-                          [logprobs] if logprobs is not None else None)
+                          [logprobs] if logprobs is not None else None, queue_s)
 
     # ---- introspection ------------------------------------------------------------
     @property

@@ -13,6 +13,7 @@ Not thread-safe: the engine's step loop owns it.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -95,6 +96,8 @@ class Scheduler:
             seq = self.waiting[0]
             if not bm.allocate(seq):
                 break
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.perf_counter()
             if seq.remote_prefill:
                 self.waiting.popleft()
                 seq.num_cached_tokens = seq.num_computed_tokens

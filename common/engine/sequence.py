@@ -11,6 +11,7 @@ their KV in the cache; the rest are computed by upcoming steps.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Callable
@@ -55,6 +56,8 @@ class Sequence:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
     remote_prefill: bool = False         # admit into REMOTE_PREFILL instead of computing
     hold_blocks: bool = False            # keep blocks after finishing until released
     on_computed: Callable[["Sequence", int, int], None] | None = None  # (seq, start, end)

@@ -15,10 +15,22 @@ Useful environment variables of the engine (read when it starts): MC_TCP_SLICE_S
 per socket read/write, default 64 KiB), MC_TCP_LANES_PER_PEER (connections per peer,
 default 4), MC_TRANSFER_TIMEOUT (seconds before a sync write gives up, default 30).
 
+How a write runs: each range is submitted as its own transfer (`transfer_submit_write`),
+at most `max_inflight` at once (the TCP transport rejects more than
+MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER = 1024 queued per peer, so one huge batch of scattered
+blocks would fail), and completion is polled with short sleeps: the binding's
+`batch_transfer_sync_write` busy-waits on a core, which on a small host starves the
+transport's own I/O thread (measured: ~20-50% slower on 2 cores). A write that fails or
+passes `timeout_s` + 1 s/GB raises TransferError after its in-flight ranges settle (or the
+deadline passes; then they are abandoned).
+
 Thread-safety: Mooncake's Python binding releases the GIL and guards its own state with a
-mutex, and every write allocates its own batch, so `write` needs no lock here.
+mutex, and every range is its own engine batch, so `write` needs no lock here.
 """
 from __future__ import annotations
+
+import time
+from collections import deque
 
 from common.transfer.base import Region, TransferEngine, TransferError
 
@@ -39,7 +51,12 @@ class MooncakeTransfer(TransferEngine):
     name = "mooncake"
 
     def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp",
-                 metadata_server: str = "P2PHANDSHAKE", device_name: str = ""):
+                 metadata_server: str = "P2PHANDSHAKE", device_name: str = "",
+                 max_inflight: int = 128, timeout_s: float = 30.0):
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        self.max_inflight = max_inflight
+        self.timeout_s = timeout_s
         self._engine = _import_engine()()
         ret = self._engine.initialize(hostname, metadata_server, protocol, device_name)
         if ret != 0:
@@ -66,15 +83,45 @@ class MooncakeTransfer(TransferEngine):
         if any(length < 0 for _, _, length in batch):
             raise ValueError(f"negative length in write batch to {peer}")
         batch = [w for w in batch if w[2]]
-        if not batch:
-            return 0
-        local, remote, lengths = (list(col) for col in zip(*batch))
-        ret = self._engine.batch_transfer_sync_write(peer, local, remote, lengths)
-        if ret != 0:
-            raise TransferError(f"mooncake write of {len(batch)} ranges ({sum(lengths)} bytes) "
-                                f"to {peer} failed with {ret} (peer unreachable, range not "
-                                "registered there, or timeout)")
-        return sum(lengths)
+        total = sum(length for _, _, length in batch)
+        deadline = time.monotonic() + self.timeout_s + total / 1e9
+        pending: deque[int] = deque()
+        try:
+            for local, remote, length in batch:
+                if len(pending) >= self.max_inflight:
+                    self._wait_first(peer, pending, deadline)
+                batch_id = self._engine.transfer_submit_write(peer, local, remote, length)
+                if not batch_id:
+                    raise TransferError(f"mooncake write to {peer} refused at submit "
+                                        "(peer unreachable or its metadata unknown)")
+                pending.append(batch_id)
+            while pending:
+                self._wait_first(peer, pending, deadline)
+        except TransferError:
+            self._drain(pending, deadline)
+            raise
+        return total
+
+    def _wait_first(self, peer: str, pending: deque[int], deadline: float) -> None:
+        """Blocks until pending[0] completes (pops it) with backoff sleeps from 20 us to 1 ms;
+        the binding's own sync calls spin a core instead."""
+        delay = 2e-5
+        while (status := self._engine.transfer_check_status(pending[0])) == 0:
+            if time.monotonic() > deadline:
+                raise TransferError(f"mooncake write to {peer} timed out")
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
+        pending.popleft()
+        if status != 1:
+            raise TransferError(f"mooncake write to {peer} failed with status {status} (peer gone, "
+                                "range not registered there, or timeout)")
+
+    def _drain(self, pending: deque[int], deadline: float) -> None:
+        while pending and time.monotonic() < deadline:
+            if self._engine.transfer_check_status(pending[0]) != 0:
+                pending.popleft()
+            else:
+                time.sleep(1e-3)
 
     def close(self) -> None:
         engine, self._engine = self._engine, None

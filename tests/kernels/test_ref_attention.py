@@ -10,7 +10,7 @@ import torch
 
 import kernels.ref as ref
 from kernels.api import DecodeMetadata, PrefillMetadata
-from paged_case import TOLERANCE, dense_attention, make_paged
+from tests.kernels.paged_case import TOLERANCE, dense_attention, make_paged
 
 SCALE = 32 ** -0.5
 

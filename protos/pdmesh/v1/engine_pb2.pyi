@@ -77,6 +77,18 @@ class PrefillResponse(_message.Message):
     bytes_written: int
     def __init__(self, first_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., timing: _Optional[_Union[PrefillTiming, _Mapping]] = ..., bytes_written: _Optional[int] = ...) -> None: ...
 
+class CancelPrefillRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class CancelPrefillResponse(_message.Message):
+    __slots__ = ("was_running",)
+    WAS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    was_running: bool
+    def __init__(self, was_running: _Optional[bool] = ...) -> None: ...
+
 class EngineStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

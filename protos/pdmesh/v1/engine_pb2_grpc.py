@@ -157,6 +157,11 @@ class PrefillStub:
                 request_serializer=pdmesh_dot_v1_dot_engine__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdmesh_dot_v1_dot_engine__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.CancelPrefill = channel.unary_unary(
+                '/pdmesh.v1.Prefill/CancelPrefill',
+                request_serializer=pdmesh_dot_v1_dot_engine__pb2.CancelPrefillRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_engine__pb2.CancelPrefillResponse.FromString,
+                _registered_method=True)
         self.GetEngineStats = channel.unary_unary(
                 '/pdmesh.v1.Prefill/GetEngineStats',
                 request_serializer=pdmesh_dot_v1_dot_engine__pb2.EngineStatsRequest.SerializeToString,
@@ -175,6 +180,14 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CancelPrefill(self, request, context):
+        """Stops a prefill's writes; returns once none of them can land any more, so the
+        decode node may reuse the destination blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetEngineStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -188,6 +201,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=pdmesh_dot_v1_dot_engine__pb2.PrefillRequest.FromString,
                     response_serializer=pdmesh_dot_v1_dot_engine__pb2.PrefillResponse.SerializeToString,
+            ),
+            'CancelPrefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelPrefill,
+                    request_deserializer=pdmesh_dot_v1_dot_engine__pb2.CancelPrefillRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_engine__pb2.CancelPrefillResponse.SerializeToString,
             ),
             'GetEngineStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetEngineStats,
@@ -222,6 +240,33 @@ class Prefill:
             '/pdmesh.v1.Prefill/Prefill',
             pdmesh_dot_v1_dot_engine__pb2.PrefillRequest.SerializeToString,
             pdmesh_dot_v1_dot_engine__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelPrefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.Prefill/CancelPrefill',
+            pdmesh_dot_v1_dot_engine__pb2.CancelPrefillRequest.SerializeToString,
+            pdmesh_dot_v1_dot_engine__pb2.CancelPrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,82 @@
+"""`pdmesh serve ROLE --config FILE`: run one service of a mesh config in this process.
+
+ROLE is meta-server, gateway, prefill, decode or both; engine roles pick their entry of
+`nodes` by --node-id (default: the first node of that role). --port / --meta override
+the file, so a launcher can hand out free ports.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import signal
+
+ROLES = ("meta-server", "gateway", "prefill", "decode", "both")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="run one service", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("role", choices=ROLES)
+    p.add_argument("--config", required=True, help="mesh YAML (e.g. deploy/local.yaml)")
+    p.add_argument("--node-id", default="", help="engine roles: which nodes[] entry")
+    p.add_argument("--port", type=int, default=None, help="override the configured port")
+    p.add_argument("--meta", default="", help="override the meta-server address HOST:PORT")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def _apply_overrides(mesh, args):
+    if args.meta:
+        host, _, port = args.meta.rpartition(":")
+        mesh = dataclasses.replace(mesh, meta=dataclasses.replace(mesh.meta, host=host, port=int(port)))
+    return mesh
+
+
+def _node_config(mesh, role: str, node_id: str):
+    if node_id:
+        node = mesh.node(node_id)
+        if node.role != role:
+            raise ValueError(f"--node-id {node_id} has role {node.role}, not {role}")
+        return node
+    for node in mesh.nodes:
+        if node.role == role:
+            return node
+    raise ValueError(f"nodes has no entry of role {role!r}")
+
+
+async def _serve(args) -> None:
+    from common.config import load_mesh_config
+    mesh = _apply_overrides(load_mesh_config(args.config), args)
+    if args.role == "meta-server":
+        from services.meta_server.server import create_server
+        meta = mesh.meta if args.port is None else dataclasses.replace(mesh.meta, port=args.port)
+        server, _ = await create_server(meta)
+        stop = server.stop
+    elif args.role == "gateway":
+        from services.gateway.server import create_server
+        server, _ = await create_server(mesh, args.port)
+        stop = server.stop
+    else:
+        from services.node_server import create_node_server, stop_node_server
+        server, _ = await create_node_server(mesh, _node_config(mesh, args.role, args.node_id), args.port)
+
+        async def stop(grace):
+            await stop_node_server(server, grace)
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, done.set)
+    await done.wait()
+    await stop(1.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        asyncio.run(_serve(args))
+    except ValueError as e:
+        print(f"error: {e}")
+        return 2
+    return 0

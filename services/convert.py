@@ -1,0 +1,25 @@
+"""Protobuf <-> internal types, at the edge of every servicer."""
+from __future__ import annotations
+
+from common.engine.sampling_params import SamplingParams
+from protos.pdmesh.v1 import common_pb2
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Zero values mean defaults (see common.proto); the result is validated by the
+    caller (SamplingParams.validate raises ValueError naming the field)."""
+    return SamplingParams(
+        max_tokens=msg.max_tokens,
+        temperature=msg.temperature,
+        top_p=msg.top_p if msg.top_p != 0.0 else 1.0,
+        top_k=msg.top_k if msg.top_k != 0 else -1,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=list(msg.stop),
+        stop_token_ids=list(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> common_pb2.Usage:
+    return common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                            cached_prompt_tokens=cached)

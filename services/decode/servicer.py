@@ -1,0 +1,65 @@
+"""Decode servicer (also serves `both` nodes).
+
+Lifecycle of a Generate RPC here:
+  validate -> queue full? RESOURCE_EXHAUSTED
+  -> admitted: blocks allocated for the prompt (local prefix hits first)
+  -> prefill: by the given prefill node (it writes our blocks, returns the first token),
+     or locally when none is given or the prefill node fails
+  -> continuous-batching decode; one message per new token; the last carries
+     finish_reason and usage
+Client cancel: the request is aborted, a running remote prefill cancelled first, and its
+blocks freed.
+"""
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from common.engine.async_engine import EngineDeadError
+from protos.pdmesh.v1 import engine_pb2, engine_pb2_grpc
+from services.convert import sampling_from_proto, usage
+from services.decode.remote_prefill import RemotePrefillCall
+from services.engine_node import EngineNode
+
+log = logging.getLogger("pdmesh.decode")
+
+
+class DecodeServicer(engine_pb2_grpc.DecodeServicer):
+    def __init__(self, node: EngineNode):
+        self.node = node
+
+    async def Generate(self, request, context):
+        rid, prompt = request.request_id, list(request.prompt_token_ids)
+        try:
+            params = sampling_from_proto(request.sampling)
+            self.node.llm_engine.validate_request(rid, prompt, params)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if len(self.node.llm_engine.scheduler.waiting) >= self.node.node.max_queue:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"decode node {self.node.node.node_id} has {self.node.node.max_queue} "
+                                "requests waiting; retry later")
+        remote = None
+        if request.HasField("prefill") and request.prefill.address:
+            remote = RemotePrefillCall(self.node, rid, prompt, request.sampling, request.prefill,
+                                       self.node.node.prefill_timeout_s)
+        num_out = 0
+        try:
+            async for out in self.node.engine.generate(rid, prompt, params, remote=remote):
+                num_out += len(out.new_token_ids)
+                reply = engine_pb2.DecodeResponse(token_ids=out.new_token_ids)
+                if out.finished:
+                    reply.finish_reason = out.finish_reason or ""
+                    cached = out.num_cached_tokens
+                    if remote is not None and remote.reply is not None:
+                        cached = remote.reply.num_cached_tokens
+                    reply.usage.CopyFrom(usage(len(prompt), num_out, cached))
+                yield reply
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineDeadError as e:
+            await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {e}")
+
+    async def GetEngineStats(self, request, context):
+        return self.node.engine_stats()

@@ -1,0 +1,35 @@
+"""Gateway process: the public API in front of the mesh."""
+from __future__ import annotations
+
+import logging
+
+from common.config import MeshConfig
+from common.model.config import load_model_config
+from common.model.tokenizer import Tokenizer
+from protos.pdmesh.v1 import gateway_pb2, gateway_pb2_grpc
+from services import grpc_util
+from services.gateway.servicer import GatewayServicer
+
+log = logging.getLogger("pdmesh.gateway")
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+
+
+def max_model_len(mesh: MeshConfig, max_position_embeddings: int) -> int:
+    configured = int(mesh.engine.get("max_model_len", 0) or 0)
+    return min(configured, max_position_embeddings) if configured else max_position_embeddings
+
+
+async def create_server(mesh: MeshConfig, port: int | None = None):
+    mcfg = load_model_config(mesh.model)
+    servicer = GatewayServicer(Tokenizer.from_dir(mesh.model), mesh.resolved_model_id,
+                               mcfg.vocab_size, max_model_len(mesh, mcfg.max_position_embeddings),
+                               mesh.meta.address, mesh.gateway.request_timeout_s)
+    server = grpc_util.new_server()
+    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
+    health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
+    bound = grpc_util.bind(server, mesh.gateway.host, mesh.gateway.port if port is None else port)
+    await server.start()
+    await grpc_util.mark_serving(health, [SERVICE_NAME])
+    server.servicer = servicer
+    log.info("gateway serving at %s:%d for model %s", mesh.gateway.host, bound, mesh.resolved_model_id)
+    return server, bound

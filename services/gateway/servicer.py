@@ -1,0 +1,135 @@
+"""Gateway servicer: the public pdmesh.v1.Gateway API.
+
+Lifecycle of a Generate RPC:
+  validate + tokenize (INVALID_ARGUMENT naming the field)
+  -> Route at the meta-server (UNAVAILABLE when no decode node)
+  -> the decode node's Generate stream (it prefills locally or through the prefill node)
+  -> incremental detokenization, stop strings -> GenerateResponse chunks; the last one
+     has finish_reason (stop | length | abort) and usage
+Client cancel: the decode stream is cancelled, which aborts the request downstream.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+
+import grpc
+
+from common.engine.stop_strings import StopStringMatcher
+from common.model.detokenizer import IncrementalDetokenizer
+from common.model.tokenizer import Tokenizer
+from protos.pdmesh.v1 import (engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc, meta_pb2,
+                              meta_pb2_grpc)
+from services import grpc_util
+from services.convert import sampling_from_proto
+
+log = logging.getLogger("pdmesh.gateway")
+PASS_THROUGH = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.UNAVAILABLE)
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, tokenizer: Tokenizer, model_id: str, vocab_size: int, max_model_len: int,
+                 meta_address: str, request_timeout_s: float):
+        self.tokenizer, self.model_id = tokenizer, model_id
+        self.vocab_size, self.max_model_len = vocab_size, max_model_len
+        self.meta = grpc_util.channel(meta_address)
+        self.meta_stub = meta_pb2_grpc.MetaServerStub(self.meta)
+        self.request_timeout_s = request_timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _decode_stub(self, address: str) -> engine_pb2_grpc.DecodeStub:
+        if address not in self._channels:
+            self._channels[address] = grpc_util.channel(address)
+        return engine_pb2_grpc.DecodeStub(self._channels[address])
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self.model_id:
+            raise ValueError(f"model {model!r} is not served here; available: [{self.model_id!r}]")
+
+    def _prompt_ids(self, request) -> list[int]:
+        which = request.WhichOneof("input")
+        if which == "prompt":
+            if not request.prompt:
+                raise ValueError("prompt must not be empty")
+            return self.tokenizer.encode(request.prompt)
+        if which == "prompt_token_ids":
+            return list(request.prompt_token_ids.ids)
+        raise ValueError("one of prompt or prompt_token_ids is required")
+
+    def _validate(self, request) -> tuple[list[int], object]:
+        self._check_model(request.model)
+        ids = self._prompt_ids(request)
+        if not ids:
+            raise ValueError("prompt must not be empty (prompt_token_ids has 0 tokens)")
+        for i, t in enumerate(ids):
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt_token_ids[{i}]={t} is outside the vocabulary [0, {self.vocab_size})")
+        params = sampling_from_proto(request.sampling)
+        params.validate(self.vocab_size)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt length ({len(ids)}) + max_tokens ({params.max_tokens}) must be "
+                             f"<= max_model_len ({self.max_model_len})")
+        return ids, params
+
+    async def Generate(self, request, context):
+        try:
+            ids, params = self._validate(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            route = await self.meta_stub.Route(meta_pb2.RouteRequest(
+                request_id=rid, model_id=self.model_id, num_prompt_tokens=len(ids)), timeout=5)
+        except grpc.aio.AioRpcError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"no route for the request: {e.details()}")
+        downstream = engine_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids,
+                                              sampling=request.sampling)
+        if not route.local_prefill:
+            downstream.prefill.CopyFrom(route.prefill)
+        call = self._decode_stub(route.decode.address).Generate(downstream, timeout=self.request_timeout_s)
+        detok = IncrementalDetokenizer(self.tokenizer, ids)
+        matcher = StopStringMatcher(params.stop)
+        num_out = 0
+        try:
+            async for msg in call:
+                num_out += len(msg.token_ids)
+                text, stopped = matcher.feed(detok.add(msg.token_ids))
+                reply = gateway_pb2.GenerateResponse(token_ids=msg.token_ids)
+                if stopped:
+                    reply.text, reply.finish_reason = text, "stop"
+                    reply.usage.CopyFrom(msg.usage)
+                    reply.usage.prompt_tokens, reply.usage.completion_tokens = len(ids), num_out
+                    yield reply
+                    return
+                if msg.finish_reason:
+                    tail, _ = matcher.feed(detok.flush())
+                    reply.text = text + tail + matcher.flush()
+                    reply.finish_reason = msg.finish_reason
+                    reply.usage.CopyFrom(msg.usage)
+                    yield reply
+                    return
+                reply.text = text
+                yield reply
+        except grpc.aio.AioRpcError as e:
+            code = e.code() if e.code() in PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, f"decode node {route.decode.node_id}: {e.details()}")
+        finally:
+            call.cancel()
+
+    async def Tokenize(self, request, context):
+        try:
+            self._check_model(request.model)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return gateway_pb2.TokenizeResponse(
+            token_ids=self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens))
+
+    async def ListModels(self, request, context):
+        return gateway_pb2.ListModelsResponse(models=[gateway_pb2.ModelInfo(
+            id=self.model_id, max_model_len=self.max_model_len, vocab_size=self.vocab_size)])
+
+    async def close(self) -> None:
+        await self.meta.close()
+        for ch in self._channels.values():
+            await ch.close()

@@ -1,0 +1,158 @@
+"""Starts a whole mesh as separate processes on this host (`pdmesh up`, integration tests).
+
+Order: meta-server -> engine nodes -> gateway. Port 0 in the config means "pick a free
+port"; the choice is passed to each process with --port / --meta. Each start waits for
+grpc.health.v1 SERVING (and, for engine nodes, for their registration at the
+meta-server) and prints one status line per service. `stop` sends SIGTERM to all and
+SIGKILL to whatever is still alive after the grace period.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.config import MeshConfig
+from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
+from services.grpc_util import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Service:
+    name: str
+    role: str
+    host: str
+    port: int
+    args: list[str]
+    log_path: Path
+    process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def wait_healthy(address: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"process for {address} exited with code {process.returncode}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} not healthy after {timeout_s:.0f}s")
+            time.sleep(0.1)
+
+
+@dataclass
+class MeshProcesses:
+    config_path: str
+    mesh: MeshConfig
+    log_dir: Path
+    quiet: bool = False
+    services: dict[str, Service] = field(default_factory=dict)
+
+    def _say(self, line: str) -> None:
+        if not self.quiet:
+            print(line, flush=True)
+
+    def _plan(self) -> None:
+        m = self.mesh
+        meta_port = m.meta.port or free_port(m.meta.host)
+        self.meta_address = f"{m.meta.host}:{meta_port}"
+        self.services["meta-server"] = Service("meta-server", "meta-server", m.meta.host, meta_port,
+                                               [], self.log_dir / "meta-server.log")
+        for node in m.nodes:
+            port = node.port or free_port(node.host)
+            self.services[node.node_id] = Service(node.node_id, node.role, node.host, port,
+                                                  ["--node-id", node.node_id],
+                                                  self.log_dir / f"{node.node_id}.log")
+        gw_port = m.gateway.port or free_port(m.gateway.host)
+        self.services["gateway"] = Service("gateway", "gateway", m.gateway.host, gw_port, [],
+                                           self.log_dir / "gateway.log")
+
+    def _spawn(self, svc: Service) -> None:
+        cmd = [sys.executable, "-m", "services.cli", "serve", svc.role, "--config", self.config_path,
+               "--port", str(svc.port), "--meta", self.meta_address, *svc.args]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        log = open(svc.log_path, "ab")
+        svc.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=True)
+        log.close()
+
+    def _wait_registered(self, node_ids: list[str], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.meta_address) as channel:
+            stub = meta_pb2_grpc.MetaServerStub(channel)
+            while True:
+                members = {n.node_id for n in stub.ListMembers(meta_pb2.ListMembersRequest(), timeout=2).nodes}
+                if set(node_ids) <= members:
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"nodes {sorted(set(node_ids) - members)} did not register")
+                time.sleep(0.1)
+
+    def start(self, timeout_s: float = 120.0) -> str:
+        """Start everything; returns the gateway address. Stops what started on failure."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._plan()
+        try:
+            order = ["meta-server", *[n.node_id for n in self.mesh.nodes]]
+            for name in order:
+                self._spawn(self.services[name])
+            for name in order:
+                svc = self.services[name]
+                wait_healthy(svc.address, timeout_s, svc.process)
+                self._say(f"{svc.name:<12} {svc.role:<11} healthy at {svc.address} (pid {svc.process.pid})")
+            self._wait_registered([n.node_id for n in self.mesh.nodes], timeout_s)
+            gw = self.services["gateway"]
+            self._spawn(gw)
+            wait_healthy(gw.address, timeout_s, gw.process)
+            self._say(f"{gw.name:<12} {gw.role:<11} healthy at {gw.address} (pid {gw.process.pid})")
+        except BaseException as e:
+            self.stop()
+            logs = "\n".join(f"  {s.log_path}" for s in self.services.values())
+            raise RuntimeError(f"mesh did not start: {e}\nlogs:\n{logs}") from e
+        return gw.address
+
+    @property
+    def gateway_address(self) -> str:
+        return self.services["gateway"].address
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.services[name].process
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=30)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        running = [s for s in self.services.values() if s.process is not None and s.process.poll() is None]
+        for svc in reversed(running):
+            try:
+                os.killpg(svc.process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        for svc in running:
+            try:
+                svc.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                self._say(f"{svc.name:<12} stopped")
+            except subprocess.TimeoutExpired:
+                os.killpg(svc.process.pid, signal.SIGKILL)
+                svc.process.wait()
+                self._say(f"{svc.name:<12} killed after {grace_s:.0f}s")

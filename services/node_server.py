@@ -1,0 +1,42 @@
+"""Shared start-up of engine nodes (prefill, decode, both): load the engine, bind, serve
+the role's servicer plus health and reflection, then join the mesh."""
+from __future__ import annotations
+
+import logging
+
+from common.config import MeshConfig, NodeConfig
+from protos.pdmesh.v1 import engine_pb2, engine_pb2_grpc
+from services import grpc_util
+from services.engine_node import EngineNode
+
+log = logging.getLogger("pdmesh.node")
+SERVICES = engine_pb2.DESCRIPTOR.services_by_name
+
+
+async def create_node_server(mesh: MeshConfig, node_cfg: NodeConfig, port: int | None = None):
+    """Returns (server, port); server.node is the EngineNode; stop with stop_node_server."""
+    from services.decode.servicer import DecodeServicer
+    from services.prefill.servicer import PrefillServicer
+
+    node = EngineNode(mesh, node_cfg)
+    server = grpc_util.new_server()
+    if node_cfg.role == "prefill":
+        engine_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(node), server)
+        names = [SERVICES["Prefill"].full_name]
+    else:
+        engine_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(node), server)
+        names = [SERVICES["Decode"].full_name]
+    health = grpc_util.add_health_and_reflection(server, names)
+    bound = grpc_util.bind(server, node_cfg.host, node_cfg.port if port is None else port)
+    await server.start()
+    node.start(f"{node_cfg.host}:{bound}")
+    await grpc_util.mark_serving(health, names)
+    server.node = node
+    log.info("%s node %s serving at %s:%d (transfer %s at %s)", node_cfg.role, node_cfg.node_id,
+             node_cfg.host, bound, node.transfer.name, node.transfer.endpoint)
+    return server, bound
+
+
+async def stop_node_server(server, grace: float = 1.0) -> None:
+    await server.stop(grace)
+    await server.node.close()

@@ -1,0 +1,91 @@
+"""Prefill servicer.
+
+Lifecycle of a Prefill RPC on this node:
+  validate (prompt, sampling, destination layout and block count)
+  -> queued in the engine (batched with other prefills, chunked)
+  -> after each chunk, its complete blocks are written into the destination
+  -> first token sampled -> wait for every write's acknowledgement -> reply
+  -> blocks released (they stay in the prefix cache).
+CancelPrefill (or the caller cancelling) stops new writes and returns only once the
+writes in flight are done, so the decode node can reuse its blocks safely.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+import grpc
+
+from common.transfer.base import TransferError
+from common.transfer.layout import KVLayout
+from protos.pdmesh.v1 import engine_pb2, engine_pb2_grpc
+from services.convert import sampling_from_proto
+from services.engine_node import EngineNode
+from services.prefill.kv_push import KVPusher
+
+log = logging.getLogger("pdmesh.prefill")
+
+
+class PrefillServicer(engine_pb2_grpc.PrefillServicer):
+    def __init__(self, node: EngineNode):
+        self.node = node
+        self.inflight: dict[str, KVPusher] = {}
+
+    async def Prefill(self, request, context):
+        rid, prompt = request.request_id, list(request.prompt_token_ids)
+        dest = request.destination
+        engine = self.node.llm_engine
+        try:
+            params = dataclasses.replace(sampling_from_proto(request.sampling), max_tokens=1,
+                                         stop=[])
+            engine.validate_request(rid, prompt, params)
+            dst_layout = KVLayout.from_proto(dest.layout)
+            self.node.layout.check_compatible(dst_layout)
+            need = engine.block_manager.num_blocks_for(len(prompt))
+            if len(dest.block_ids) != need:
+                raise ValueError(f"destination.block_ids has {len(dest.block_ids)} ids; the "
+                                 f"{len(prompt)}-token prompt needs {need}")
+            if not 0 <= dest.num_cached_tokens < len(prompt):
+                raise ValueError(f"destination.num_cached_tokens must be in [0, {len(prompt)}), "
+                                 f"got {dest.num_cached_tokens}")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        pusher = KVPusher(self.node.sender, self.node.executor, dest.transfer_endpoint, dst_layout,
+                          list(dest.block_ids), dest.num_cached_tokens, engine.block_size, len(prompt))
+        self.inflight[rid] = pusher
+        start = time.perf_counter()
+        finished = False
+        try:
+            out = await self.node.engine.prefill(rid, prompt, params, on_computed=pusher.on_computed)
+            computed = time.perf_counter()
+            nbytes = await pusher.finish()
+            done = time.perf_counter()
+            finished = True
+        except TransferError as e:
+            log.warning("KV push of %s to %s failed: %s", rid, dest.transfer_endpoint, e)
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"KV transfer to {dest.node_id} ({dest.transfer_endpoint}) failed: {e}")
+        finally:
+            if not finished:
+                await asyncio.shield(pusher.stop())
+            self.inflight.pop(rid, None)
+            await asyncio.shield(self.node.engine.release(rid))
+        timing = engine_pb2.PrefillTiming(
+            queue_ms=out.queue_s * 1e3, compute_ms=(computed - start - out.queue_s) * 1e3,
+            transfer_ms=(done - computed) * 1e3)
+        return engine_pb2.PrefillResponse(first_token_id=out.new_token_ids[0],
+                                          num_cached_tokens=out.num_cached_tokens,
+                                          timing=timing, bytes_written=nbytes)
+
+    async def CancelPrefill(self, request, context):
+        pusher = self.inflight.get(request.request_id)
+        if pusher is None:
+            return engine_pb2.CancelPrefillResponse(was_running=False)
+        await pusher.stop()
+        await self.node.engine.abort(request.request_id)
+        return engine_pb2.CancelPrefillResponse(was_running=True)
+
+    async def GetEngineStats(self, request, context):
+        return self.node.engine_stats(pending_transfers=len(self.inflight))

@@ -1,0 +1,179 @@
+"""The mesh serves requests exactly as the offline engine does: 1 prefill + 1 decode over
+Mooncake (TCP) or the gRPC transfer backend, a colocated `both` node, and local prefill."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from common.engine import LLM, SamplingParams
+from protos.pdmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.integration.conftest import ENGINE, engine_stats, mixed_prompts
+
+MAX_TOKENS = [5, 40, 17, 33, 8, 24, 12, 3, 40, 22, 9, 30, 31, 2, 28, 19]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    llm = LLM(str(model), **ENGINE)
+    outs = llm.generate([{"prompt_token_ids": p} for p in mixed_prompts()],
+                        [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS])
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def pd_mesh(model, start_mesh):
+    return start_mesh(model)
+
+
+def request(ids=None, prompt=None, max_tokens=16, **sampling):
+    req = gateway_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(
+        max_tokens=max_tokens, ignore_eos=sampling.pop("ignore_eos", True), **sampling))
+    if prompt is not None:
+        req.prompt = prompt
+    else:
+        req.prompt_token_ids.ids.extend(ids)
+    return req
+
+
+async def stream(address: str, req) -> tuple[list[int], str, list]:
+    async with grpc.aio.insecure_channel(address) as ch:
+        msgs = [m async for m in gateway_pb2_grpc.GatewayStub(ch).Generate(req)]
+    tokens = [t for m in msgs for t in m.token_ids]
+    return tokens, "".join(m.text for m in msgs), msgs
+
+
+async def run_concurrently(address: str) -> list:
+    reqs = [request(p, max_tokens=m) for p, m in zip(mixed_prompts(), MAX_TOKENS)]
+    return await asyncio.gather(*(stream(address, r) for r in reqs))
+
+
+def assert_matches_offline(results, expected):
+    for i, ((tokens, _, msgs), want) in enumerate(zip(results, expected)):
+        assert tokens == want, f"request {i}"
+        assert all(m.token_ids for m in msgs[:-1]), "every message but the last carries tokens"
+        last = msgs[-1]
+        assert last.finish_reason == "length"
+        assert last.usage.completion_tokens == len(want)
+        assert [m.finish_reason for m in msgs[:-1]] == [""] * (len(msgs) - 1)
+
+
+def assert_no_blocks_in_use(mesh, timeout_s: float = 5.0):
+    deadline = time.monotonic() + timeout_s
+    for svc in mesh.services.values():
+        if svc.role not in ("prefill", "decode", "both") or svc.process.poll() is not None:
+            continue
+        while True:
+            stats = engine_stats(svc.address, svc.role)
+            if stats.used_blocks == 0 and stats.running == 0 and stats.waiting == 0:
+                break
+            assert time.monotonic() < deadline, f"{svc.name} still holds blocks: {stats}"
+            time.sleep(0.05)
+
+
+def test_disaggregated_mooncake_matches_offline(pd_mesh, expected):
+    results = asyncio.run(run_concurrently(pd_mesh.gateway_address))
+    assert_matches_offline(results, expected)
+    prefill = engine_stats(pd_mesh.services["prefill-0"].address, "prefill")
+    assert prefill.prefix_hit_tokens >= 0 and prefill.total_blocks == ENGINE["num_blocks"]
+    assert_no_blocks_in_use(pd_mesh)
+
+
+@pytest.mark.parametrize("variant", ["grpc-transfer", "both-node", "local-prefill"])
+def test_other_topologies_match_offline(variant, model, start_mesh, expected):
+    if variant == "grpc-transfer":
+        mesh = start_mesh(model, transfer="grpc")
+    elif variant == "both-node":
+        mesh = start_mesh(model, nodes=[("both", "both-0")])
+    else:
+        mesh = start_mesh(model, local_prefill_max_tokens=10**6)
+    try:
+        results = asyncio.run(run_concurrently(mesh.gateway_address))
+        assert_matches_offline(results, expected)
+        assert_no_blocks_in_use(mesh)
+        if variant == "local-prefill":
+            assert engine_stats(mesh.services["prefill-0"].address, "prefill").prefix_hit_tokens == 0
+    finally:
+        mesh.stop()
+
+
+def test_stop_strings_cut_exactly(pd_mesh):
+    prompt = "The river ran slowly past the old mill"
+    tokens, text, msgs = asyncio.run(stream(pd_mesh.gateway_address, request(prompt=prompt, max_tokens=30)))
+    assert msgs[-1].finish_reason == "length" and len(tokens) == 30
+    stop = next(text[i:i + 3] for i in range(len(text) // 3, len(text) - 3)
+                if text[i:i + 3].strip() and "\ufffd" not in text[i:i + 3])
+    cut_tokens, cut_text, cut_msgs = asyncio.run(stream(
+        pd_mesh.gateway_address, request(prompt=prompt, max_tokens=30, stop=[stop])))
+    assert cut_text == text[:text.index(stop)]
+    assert cut_msgs[-1].finish_reason == "stop"
+    assert cut_tokens == tokens[:len(cut_tokens)]
+    assert_no_blocks_in_use(pd_mesh)
+
+
+def test_cancel_mid_stream_frees_every_block(pd_mesh):
+    async def cancel_after(n):
+        async with grpc.aio.insecure_channel(pd_mesh.gateway_address) as ch:
+            call = gateway_pb2_grpc.GatewayStub(ch).Generate(request(list(range(5, 300)), max_tokens=1500))
+            got = 0
+            async for m in call:
+                got += len(m.token_ids)
+                if got >= n:
+                    call.cancel()
+                    break
+            return got
+
+    async def many():
+        return await asyncio.gather(*(cancel_after(n) for n in (1, 3, 10, 25)))
+
+    assert min(asyncio.run(many())) >= 1
+    assert_no_blocks_in_use(pd_mesh)
+
+
+@pytest.mark.parametrize("req,field", [
+    (request(prompt=""), "prompt must not be empty"),
+    (request(list(range(3, 2040)), max_tokens=20), "max_model_len"),
+    (request([5, 6], max_tokens=0), "max_tokens"),
+    (request([5, 6], top_p=1.5), "top_p"),
+    (request([5, 6], top_k=-3), "top_k"),
+    (request([5, 6000]), "vocabulary"),
+])
+def test_bad_requests_are_invalid_argument(pd_mesh, req, field):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(stream(pd_mesh.gateway_address, req))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+    tokens, _, _ = asyncio.run(stream(pd_mesh.gateway_address, request([5, 6, 7], max_tokens=3)))
+    assert len(tokens) == 3
+
+
+def test_unknown_model_is_invalid_argument(pd_mesh):
+    req = request([5, 6])
+    req.model = "no-such-model"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(stream(pd_mesh.gateway_address, req))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "no-such-model" in err.value.details()
+
+
+def test_tokenize_and_list_models(pd_mesh, model):
+    from common.model.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(model)
+
+    async def calls():
+        async with grpc.aio.insecure_channel(pd_mesh.gateway_address) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            t = await stub.Tokenize(gateway_pb2.TokenizeRequest(text="hello world", add_special_tokens=True))
+            m = await stub.ListModels(gateway_pb2.ListModelsRequest())
+            return list(t.token_ids), m
+
+    ids, models = asyncio.run(calls())
+    assert ids == tok.encode("hello world")
+    assert [m.id for m in models.models] == [model.name]
