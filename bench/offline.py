@@ -17,20 +17,14 @@ import json
 import platform
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench_model import BENCH_MODEL, DEFAULT_DIR, ROOT, ensure_bench_model
 
 from common.engine import LLM, SamplingParams  # noqa: E402
-from common.model.tiny import make_tiny_model  # noqa: E402
-
-BENCH_MODEL = dict(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4,
-                   intermediate_size=2816, vocab_size=640, max_position_embeddings=2048)
 
 
 def workload(seed: int, vocab: int) -> list[tuple[list[int], int]]:
@@ -104,16 +98,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model-dir", default=str(ROOT / "models" / "bench-llama-90m"))
+    ap.add_argument("--model-dir", default=str(DEFAULT_DIR))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "offline.json"))
     ap.add_argument("--max-num-seqs", type=int, default=24)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     args = ap.parse_args()
 
-    model_dir = Path(args.model_dir)
-    if not (model_dir / "config.json").exists():
-        print(f"making the bench model in {model_dir}", flush=True)
-        make_tiny_model("llama", model_dir, seed=args.seed, **BENCH_MODEL)
+    model_dir = ensure_bench_model(args.model_dir, seed=args.seed)
     import transformers
     print("loading both engines", flush=True)
     llm = LLM(str(model_dir), max_num_seqs=args.max_num_seqs,

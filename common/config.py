@@ -64,6 +64,9 @@ TRANSFER_BACKENDS = ("mooncake", "grpc", "fake")
 
 @dataclass(frozen=True)
 class TransferConfig:
+    """hostname: the address peers reach this node's transfer engine at; "" = each node's
+    advertised host (NodeConfig.advertised_host), which a multi-host mesh needs."""
+
     backend: str = "mooncake"
     protocol: str = "tcp"            # mooncake: tcp here, rdma on RoCE, ascend on HCCS
     hostname: str = "127.0.0.1"
@@ -77,11 +80,15 @@ class TransferConfig:
 
 @dataclass(frozen=True)
 class MetaConfig:
+    """host is where the meta-server binds; the other services dial `address`, which uses
+    advertise_host when set (e.g. bind 0.0.0.0, advertise a DNS name)."""
+
     host: str = "127.0.0.1"
     port: int = 50051
     ttl_seconds: float = 3.0
     policy: str = "least_load"
     local_prefill_max_tokens: int = 0   # prompts shorter than this prefill on the decode node
+    advertise_host: str = ""            # "" = host
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -91,7 +98,7 @@ class MetaConfig:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return f"{self.advertise_host or self.host}:{self.port}"
 
 
 @dataclass(frozen=True)
@@ -103,12 +110,20 @@ class GatewayConfig:
 
 @dataclass(frozen=True)
 class NodeConfig:
+    """host is where the node binds; it registers `advertised_host`:port with the
+    meta-server (advertise_host when set, else host)."""
+
     role: str
     node_id: str
     host: str = "127.0.0.1"
     port: int = 0
     prefill_timeout_s: float = 30.0     # decode: give up on a prefill node after this
     max_queue: int = 256                # decode: waiting requests before RESOURCE_EXHAUSTED
+    advertise_host: str = ""            # "" = host
+
+    @property
+    def advertised_host(self) -> str:
+        return self.advertise_host or self.host
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

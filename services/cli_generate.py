@@ -1,10 +1,16 @@
-"""`pdmesh generate`: run prompts through the engine in this process and print the text
-and throughput. With no prompt, a few built-in ones; with no model folder, the built-in
-tiny model is made first (models/tiny-llama)."""
+"""`pdmesh generate`: run prompts and print the text and throughput.
+
+Offline (default): through the engine in this process; with no model folder, the built-in
+tiny model is made first (models/tiny-llama).
+--gateway HOST:PORT: through a running mesh's gateway, one prompt after the other, the
+text streamed to the terminal as it arrives, then TTFT and tokens/s.
+With no prompt, a few built-in ones. Exit code 0, 1 on an RPC error, 2 on bad input.
+"""
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -21,18 +27,63 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("generate", help="generate text offline with the engine",
                               description=__doc__)
     p.add_argument("prompts", nargs="*", help="prompts (default: a few built-in ones)")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="HF model folder (default: %(default)s)")
+    p.add_argument("--gateway", default="", metavar="HOST:PORT",
+                   help="send the prompts to this gateway instead of running the engine here")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="offline: HF model folder (default: %(default)s); ignored with --gateway")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--device", default="cpu")
     return p
 
 
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, seed=args.seed, stop=list(args.stop), ignore_eos=args.ignore_eos)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.gateway:
+        return _run_gateway(args)
+    return _run_offline(args)
+
+
+def _run_gateway(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import grpc
+    try:
+        return asyncio.run(_stream_all(args))
+    except grpc.aio.AioRpcError as e:
+        print(f"\nerror: {args.gateway}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+
+
+async def _stream_all(args: argparse.Namespace) -> int:
+    import grpc
+
+    from services.client import describe, stream_generate
+    prompts = args.prompts or DEMO_PROMPTS
+    num_tokens, start = 0, time.perf_counter()
+    async with grpc.aio.insecure_channel(args.gateway) as channel:
+        for prompt in prompts:
+            print(f"--- {prompt!r}\n{prompt}", end="", flush=True)
+            result = await stream_generate(channel, prompt, **sampling_kwargs(args),
+                                           on_text=lambda s: print(s, end="", flush=True))
+            num_tokens += len(result.token_ids)
+            print(f"\n--- {describe(result)}")
+    elapsed = time.perf_counter() - start
+    print(f"--- {len(prompts)} prompts, {num_tokens} tokens in {elapsed:.2f}s: "
+          f"{num_tokens / elapsed:.1f} tokens/s")
+    return 0
+
+
+def _run_offline(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     model = Path(args.model)
     if not (model / "config.json").exists():
@@ -44,9 +95,7 @@ def run(args: argparse.Namespace) -> int:
         make_tiny_model("llama", model)
     from common.engine import LLM, SamplingParams
     llm = LLM(str(model), device=args.device)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            ignore_eos=args.ignore_eos)
+    params = SamplingParams(**sampling_kwargs(args))
     prompts = args.prompts or DEMO_PROMPTS
     try:
         start = time.perf_counter()

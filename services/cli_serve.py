@@ -30,7 +30,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _apply_overrides(mesh, args):
     if args.meta:
         host, _, port = args.meta.rpartition(":")
-        mesh = dataclasses.replace(mesh, meta=dataclasses.replace(mesh.meta, host=host, port=int(port)))
+        meta = dataclasses.replace(mesh.meta, host=host, port=int(port), advertise_host="")
+        mesh = dataclasses.replace(mesh, meta=meta)
     return mesh
 
 

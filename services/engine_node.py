@@ -25,13 +25,15 @@ from services import grpc_util
 log = logging.getLogger("pdmesh.node")
 
 
-def transfer_options(mesh: MeshConfig) -> dict:
+def transfer_options(mesh: MeshConfig, node: NodeConfig) -> dict:
+    """Backend keyword arguments; an empty transfer.hostname means the node's advertised host."""
     t = mesh.transfer
+    hostname = t.hostname or node.advertised_host
     if t.backend == "mooncake":
-        return dict(hostname=t.hostname, protocol=t.protocol, metadata_server=t.metadata_server,
+        return dict(hostname=hostname, protocol=t.protocol, metadata_server=t.metadata_server,
                     device_name=t.device_name)
     if t.backend == "grpc":
-        return dict(host=t.hostname)
+        return dict(host=hostname)
     return {}
 
 
@@ -40,7 +42,7 @@ class EngineNode:
         self.mesh, self.node = mesh, node
         self.llm_engine = LLMEngine(mesh.engine_config())
         self.engine = AsyncEngine(self.llm_engine)
-        self.transfer = create_transfer(mesh.transfer.backend, **transfer_options(mesh))
+        self.transfer = create_transfer(mesh.transfer.backend, **transfer_options(mesh, node))
         kv = self.llm_engine.kv_cache
         self.transfer.register(kv.data_ptr(), kv.numel() * kv.element_size())
         self.layout = KVLayout.of_tensor(kv)

@@ -74,12 +74,13 @@ class MeshProcesses:
     def _plan(self) -> None:
         m = self.mesh
         meta_port = m.meta.port or free_port(m.meta.host)
-        self.meta_address = f"{m.meta.host}:{meta_port}"
-        self.services["meta-server"] = Service("meta-server", "meta-server", m.meta.host, meta_port,
+        meta_host = m.meta.advertise_host or m.meta.host
+        self.meta_address = f"{meta_host}:{meta_port}"
+        self.services["meta-server"] = Service("meta-server", "meta-server", meta_host, meta_port,
                                                [], self.log_dir / "meta-server.log")
         for node in m.nodes:
             port = node.port or free_port(node.host)
-            self.services[node.node_id] = Service(node.node_id, node.role, node.host, port,
+            self.services[node.node_id] = Service(node.node_id, node.role, node.advertised_host, port,
                                                   ["--node-id", node.node_id],
                                                   self.log_dir / f"{node.node_id}.log")
         gw_port = m.gateway.port or free_port(m.gateway.host)

@@ -29,7 +29,7 @@ async def create_node_server(mesh: MeshConfig, node_cfg: NodeConfig, port: int |
     health = grpc_util.add_health_and_reflection(server, names)
     bound = grpc_util.bind(server, node_cfg.host, node_cfg.port if port is None else port)
     await server.start()
-    node.start(f"{node_cfg.host}:{bound}")
+    node.start(f"{node_cfg.advertised_host}:{bound}")
     await grpc_util.mark_serving(health, names)
     server.node = node
     log.info("%s node %s serving at %s:%d (transfer %s at %s)", node_cfg.role, node_cfg.node_id,

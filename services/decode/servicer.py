@@ -13,11 +13,12 @@ blocks freed.
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 
 from common.engine.async_engine import EngineDeadError
-from protos.pdmesh.v1 import engine_pb2, engine_pb2_grpc
+from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.convert import sampling_from_proto, usage
 from services.decode.remote_prefill import RemotePrefillCall
 from services.engine_node import EngineNode
@@ -45,10 +46,13 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             remote = RemotePrefillCall(self.node, rid, prompt, request.sampling, request.prefill,
                                        self.node.node.prefill_timeout_s)
         num_out = 0
+        start = time.perf_counter()
         try:
             async for out in self.node.engine.generate(rid, prompt, params, remote=remote):
-                num_out += len(out.new_token_ids)
                 reply = engine_pb2.DecodeResponse(token_ids=out.new_token_ids)
+                if num_out == 0:
+                    reply.prefill_timing.CopyFrom(self._timing(remote, out, time.perf_counter() - start))
+                num_out += len(out.new_token_ids)
                 if out.finished:
                     reply.finish_reason = out.finish_reason or ""
                     cached = out.num_cached_tokens
@@ -60,6 +64,13 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
             await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {e}")
+
+    @staticmethod
+    def _timing(remote, out, elapsed_s: float) -> common_pb2.PrefillTiming:
+        if remote is not None and remote.reply is not None:
+            return remote.reply.timing
+        return common_pb2.PrefillTiming(queue_ms=out.queue_s * 1e3,
+                                        compute_ms=(elapsed_s - out.queue_s) * 1e3)
 
     async def GetEngineStats(self, request, context):
         return self.node.engine_stats()

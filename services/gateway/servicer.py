@@ -93,9 +93,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         num_out = 0
         try:
             async for msg in call:
-                num_out += len(msg.token_ids)
                 text, stopped = matcher.feed(detok.add(msg.token_ids))
                 reply = gateway_pb2.GenerateResponse(token_ids=msg.token_ids)
+                if num_out == 0:
+                    reply.prefill_timing.CopyFrom(msg.prefill_timing)
+                num_out += len(msg.token_ids)
                 if stopped:
                     reply.text, reply.finish_reason = text, "stop"
                     reply.usage.CopyFrom(msg.usage)

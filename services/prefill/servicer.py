@@ -20,7 +20,7 @@ import grpc
 
 from common.transfer.base import TransferError
 from common.transfer.layout import KVLayout
-from protos.pdmesh.v1 import engine_pb2, engine_pb2_grpc
+from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.convert import sampling_from_proto
 from services.engine_node import EngineNode
 from services.prefill.kv_push import KVPusher
@@ -72,7 +72,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
                 await asyncio.shield(pusher.stop())
             self.inflight.pop(rid, None)
             await asyncio.shield(self.node.engine.release(rid))
-        timing = engine_pb2.PrefillTiming(
+        timing = common_pb2.PrefillTiming(remote=True, 
             queue_ms=out.queue_s * 1e3, compute_ms=(computed - start - out.queue_s) * 1e3,
             transfer_ms=(done - computed) * 1e3)
         return engine_pb2.PrefillResponse(first_token_id=out.new_token_ids[0],

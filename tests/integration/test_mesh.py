@@ -177,3 +177,18 @@ def test_tokenize_and_list_models(pd_mesh, model):
     ids, models = asyncio.run(calls())
     assert ids == tok.encode("hello world")
     assert [m.id for m in models.models] == [model.name]
+
+
+def test_every_service_has_health_and_reflection(pd_mesh):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase)
+    expected = {"meta-server": "pdmesh.v1.MetaServer", "prefill": "pdmesh.v1.Prefill",
+                "decode": "pdmesh.v1.Decode", "gateway": "pdmesh.v1.Gateway"}
+    for svc in pd_mesh.services.values():
+        with grpc.insecure_channel(svc.address) as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=expected[svc.role]), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+            services = set(ProtoReflectionDescriptorDatabase(ch).get_services())
+            assert {expected[svc.role], "grpc.health.v1.Health"} <= services, svc.name

@@ -95,3 +95,15 @@ class NodeInfo(_message.Message):
     load: NodeLoad
     max_model_len: int
     def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., transfer_backend: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., kv_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+
+class PrefillTiming(_message.Message):
+    __slots__ = ("queue_ms", "compute_ms", "transfer_ms", "remote")
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
+    queue_ms: float
+    compute_ms: float
+    transfer_ms: float
+    remote: bool
+    def __init__(self, queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., remote: _Optional[bool] = ...) -> None: ...

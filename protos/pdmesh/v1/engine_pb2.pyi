@@ -20,14 +20,16 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "usage")
+    __slots__ = ("token_ids", "finish_reason", "usage", "prefill_timing")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TIMING_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     usage: _common_pb2.Usage
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+    prefill_timing: _common_pb2.PrefillTiming
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., prefill_timing: _Optional[_Union[_common_pb2.PrefillTiming, _Mapping]] = ...) -> None: ...
 
 class KVDestination(_message.Message):
     __slots__ = ("node_id", "transfer_endpoint", "layout", "block_ids", "num_cached_tokens")
@@ -55,16 +57,6 @@ class PrefillRequest(_message.Message):
     destination: KVDestination
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
 
-class PrefillTiming(_message.Message):
-    __slots__ = ("queue_ms", "compute_ms", "transfer_ms")
-    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
-    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
-    queue_ms: float
-    compute_ms: float
-    transfer_ms: float
-    def __init__(self, queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
-
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "num_cached_tokens", "timing", "bytes_written")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -73,9 +65,9 @@ class PrefillResponse(_message.Message):
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     num_cached_tokens: int
-    timing: PrefillTiming
+    timing: _common_pb2.PrefillTiming
     bytes_written: int
-    def __init__(self, first_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., timing: _Optional[_Union[PrefillTiming, _Mapping]] = ..., bytes_written: _Optional[int] = ...) -> None: ...
+    def __init__(self, first_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.PrefillTiming, _Mapping]] = ..., bytes_written: _Optional[int] = ...) -> None: ...
 
 class CancelPrefillRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -1,0 +1,124 @@
+"""`pdmesh up --config FILE [--log-dir DIR] [--demo]`: a whole mesh on this host.
+
+Lifecycle:
+  load the config -> make the built-in tiny model when the config names `tiny_arch` and
+  the model folder is missing -> start meta-server, engine nodes, gateway as separate
+  processes (services.launcher; one status line each, with its pid) -> print exactly one
+  line `gateway ready at HOST:PORT` -> wait for Ctrl-C or SIGTERM (with --demo: stream a
+  few built-in prompts through the gateway concurrently and print text and timings
+  instead) -> stop every service (SIGTERM, SIGKILL after a grace period), a status line
+  as each stops.
+
+Exit code: 0 after a clean stop or a successful demo; 1 when the mesh did not start, a
+service exited on its own, or a demo request failed; 2 on a bad config.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GRACE_S = 10.0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("up", help="start a whole mesh on this host", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="mesh YAML (e.g. deploy/local.yaml)")
+    p.add_argument("--log-dir", default="", help="one log file per service (default: a new temp dir)")
+    p.add_argument("--demo", action="store_true",
+                   help="send a few prompts through the gateway, print timings, shut down")
+    p.add_argument("--max-tokens", type=int, default=48, help="--demo: tokens per request")
+    p.add_argument("--start-timeout", type=float, default=120.0, help="seconds per service")
+    return p
+
+
+def ensure_model(mesh) -> None:
+    """Make the tiny model at mesh.model when mesh.tiny_arch names one and the folder has
+    no config.json (built in a sibling temp folder, then renamed: never half-written).
+    ValueError when the folder is missing and no tiny_arch is given."""
+    model = Path(mesh.model)
+    if (model / "config.json").exists():
+        return
+    if not mesh.tiny_arch:
+        raise ValueError(f"model folder {model} has no config.json (set tiny_arch to make a tiny model)")
+    from common.model.tiny import ARCHS, make_tiny_model
+    if mesh.tiny_arch not in ARCHS:
+        raise ValueError(f"tiny_arch must be one of {sorted(ARCHS)}, got {mesh.tiny_arch!r}")
+    print(f"making the built-in tiny {mesh.tiny_arch} model in {model}", flush=True)
+    model.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{model.name}-", dir=model.parent))
+    make_tiny_model(mesh.tiny_arch, partial)
+    os.replace(partial, model)
+
+
+class _Interrupts:
+    """SIGINT and SIGTERM raise KeyboardInterrupt once; later ones are ignored, so that
+    stopping the services is never cut short."""
+
+    def __init__(self) -> None:
+        self.fired = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt
+
+
+def _print_failed_logs(mesh, num_lines: int = 15) -> None:
+    for svc in mesh.services.values():
+        if svc.process is not None and svc.process.returncode not in (None, 0, -signal.SIGTERM):
+            lines = svc.log_path.read_text(errors="replace").splitlines()[-num_lines:]
+            print(f"--- last lines of {svc.log_path}:", *lines, sep="\n", file=sys.stderr)
+
+
+def _wait(mesh) -> int:
+    """Block until a signal (-> 0) or until a service exits on its own (-> 1)."""
+    while True:
+        time.sleep(0.2)
+        for svc in mesh.services.values():
+            if svc.process.poll() is not None:
+                print(f"{svc.name} exited with code {svc.process.returncode}; stopping the mesh "
+                      f"(log: {svc.log_path})", file=sys.stderr, flush=True)
+                return 1
+
+
+def run(args: argparse.Namespace) -> int:
+    from common.config import load_mesh_config
+    try:
+        mesh_cfg = load_mesh_config(args.config)
+        ensure_model(mesh_cfg)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from services.launcher import MeshProcesses
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdmesh-up-"))
+    print(f"logs in {log_dir}", flush=True)
+    mesh = MeshProcesses(args.config, mesh_cfg, log_dir)
+    interrupts = _Interrupts()
+    code = 0
+    try:
+        address = mesh.start(timeout_s=args.start_timeout)
+        print(f"gateway ready at {address}", flush=True)
+        if args.demo:
+            from services.demo import run_demo
+            code = run_demo(address, max_tokens=args.max_tokens)
+        else:
+            code = _wait(mesh)
+    except KeyboardInterrupt:
+        pass
+    except RuntimeError as e:
+        if not isinstance(e.__cause__, KeyboardInterrupt):
+            print(f"error: {e}", file=sys.stderr)
+            _print_failed_logs(mesh)
+            code = 1
+    finally:
+        interrupts.fired = True
+        mesh.stop(grace_s=GRACE_S)
+    return code

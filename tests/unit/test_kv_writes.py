@@ -1,0 +1,164 @@
+"""KVLayout address arithmetic, plan_block_writes' exact writes, KVSender over the fake engine."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from common.transfer import KVLayout, KVSender, TransferError, block_runs, plan_block_writes
+from common.transfer.fake import FakeTransfer
+
+BB = 256  # block_bytes of the layouts below: block_size 4 x 2 heads x head_dim 8 x 4 bytes
+
+
+def layout(num_layers=2, num_blocks=8, base=0x10000, **kw) -> KVLayout:
+    fields = dict(dtype="float32", num_layers=num_layers, num_blocks=num_blocks, block_size=4,
+                  num_kv_heads=2, head_dim=8, base_address=base,
+                  strides=(2 * num_blocks * BB, num_blocks * BB, BB, 64, 32, 4))
+    fields.update(kw)
+    return KVLayout(**fields)
+
+
+SRC = layout(num_blocks=8, base=0x10000)     # layer stride 4096, K/V stride 2048
+DST = layout(num_blocks=10, base=0x80000)    # layer stride 5120, K/V stride 2560
+
+
+def test_layout_of_tensor_strides_and_addresses():
+    kv = torch.zeros(2, 2, 8, 4, 2, 8)
+    lay = KVLayout.of_tensor(kv)
+    assert lay == replace(SRC, base_address=kv.data_ptr())
+    assert lay.strides == (4096, 2048, 256, 64, 32, 4)
+    assert lay.block_bytes == BB
+    assert lay.span_bytes == kv.numel() * 4
+    assert lay.block_address(1, 1, 3) == kv.data_ptr() + 4096 + 2048 + 3 * 256
+    assert lay.block_address(1, 1, 3) == kv[1, 1, 3].data_ptr()
+
+
+def test_layout_rejects_blocks_that_are_not_adjacent():
+    with pytest.raises(ValueError, match="strides"):
+        KVLayout.of_tensor(torch.zeros(2, 2, 8, 4, 2, 8)[:, :, ::2])
+    with pytest.raises(ValueError, match="dtype 'int4' not supported"):
+        layout(dtype="int4")
+    with pytest.raises(ValueError, match=r"outside \[0, 2\) x \{0, 1\} x \[0, 8\)"):
+        SRC.block_address(0, 0, 8)
+
+
+def test_layout_proto_round_trip():
+    msg = DST.to_proto()
+    assert list(msg.strides) == list(DST.strides) and msg.base_address == 0x80000
+    assert KVLayout.from_proto(msg) == DST
+
+
+def test_check_compatible_names_fields_and_values():
+    SRC.check_compatible(DST)  # num_blocks and base may differ
+    other = layout(dtype="float16", head_dim=16, strides=(4096, 2048, 256, 64, 32, 2))
+    with pytest.raises(ValueError) as exc:
+        SRC.check_compatible(other)
+    assert "dtype 'float32' != 'float16'" in str(exc.value)
+    assert "head_dim 8 != 16" in str(exc.value)
+    assert "num_layers" not in str(exc.value)
+
+
+def test_block_runs():
+    assert block_runs([4, 5, 6, 9], [0, 1, 2, 3]) == [(4, 0, 3), (9, 3, 1)]
+    assert block_runs([], []) == []
+
+
+def test_plan_consecutive_ids_merge_into_one_write_per_layer_and_kv():
+    assert plan_block_writes(SRC, DST, [0, 1, 2], [5, 6, 7]) == [
+        (0x10000, 0x80000 + 5 * BB, 3 * BB),
+        (0x10000 + 2048, 0x80000 + 2560 + 5 * BB, 3 * BB),
+        (0x10000 + 4096, 0x80000 + 5120 + 5 * BB, 3 * BB),
+        (0x10000 + 4096 + 2048, 0x80000 + 5120 + 2560 + 5 * BB, 3 * BB),
+    ]
+
+
+def test_plan_breaks_runs_where_either_side_jumps():
+    writes = plan_block_writes(SRC, DST, [0, 1, 3, 4], [4, 5, 6, 9], layers=[1])
+    assert writes == [
+        (0x10000 + 4096, 0x80000 + 5120 + 4 * BB, 2 * BB),
+        (0x10000 + 4096 + 3 * BB, 0x80000 + 5120 + 6 * BB, BB),
+        (0x10000 + 4096 + 4 * BB, 0x80000 + 5120 + 9 * BB, BB),
+        (0x10000 + 4096 + 2048, 0x80000 + 5120 + 2560 + 4 * BB, 2 * BB),
+        (0x10000 + 4096 + 2048 + 3 * BB, 0x80000 + 5120 + 2560 + 6 * BB, BB),
+        (0x10000 + 4096 + 2048 + 4 * BB, 0x80000 + 5120 + 2560 + 9 * BB, BB),
+    ]
+
+
+def test_plan_shuffled_ids_one_write_per_block():
+    writes = plan_block_writes(SRC, DST, [0, 1, 2], [2, 1, 0], layers=[0])
+    assert writes == [
+        (0x10000, 0x80000 + 2 * BB, BB), (0x10000 + BB, 0x80000 + BB, BB),
+        (0x10000 + 2 * BB, 0x80000, BB),
+        (0x10000 + 2048, 0x80000 + 2560 + 2 * BB, BB), (0x10000 + 2048 + BB, 0x80000 + 2560 + BB, BB),
+        (0x10000 + 2048 + 2 * BB, 0x80000 + 2560, BB),
+    ]
+    assert len(plan_block_writes(SRC, DST, [3, 2, 1, 0], [0, 1, 2, 3])) == 2 * 2 * 4
+
+
+@pytest.mark.parametrize("src_ids, dst_ids, layers, match", [
+    ([0, 1], [0], None, "2 source block ids but 1 destination"),
+    ([8], [0], None, r"src_block_ids \[8\] outside \[0, 8\)"),
+    ([0], [10], None, r"dst_block_ids \[10\] outside \[0, 10\)"),
+    ([0, 1], [3, 3], None, "duplicates"),
+    ([0], [0], [2], r"layers \[2\] outside \[0, 2\)"),
+])
+def test_plan_validates(src_ids, dst_ids, layers, match):
+    with pytest.raises(ValueError, match=match):
+        plan_block_writes(SRC, DST, src_ids, dst_ids, layers)
+
+
+@pytest.fixture
+def fake_pair():
+    a, b = FakeTransfer(), FakeTransfer()
+    yield a, b
+    a.close()
+    b.close()
+
+
+def kv_pair(a, b, src_blocks=6, dst_blocks=9):
+    torch.manual_seed(0)
+    src = torch.randn(3, 2, src_blocks, 4, 2, 8)
+    dst = torch.zeros(3, 2, dst_blocks, 4, 2, 8)
+    ls, ld = KVLayout.of_tensor(src), KVLayout.of_tensor(dst)
+    a.register(ls.base_address, ls.span_bytes)
+    b.register(ld.base_address, ld.span_bytes)
+    return src, dst, ls, ld
+
+
+def test_sender_moves_exactly_the_requested_blocks(fake_pair):
+    a, b = fake_pair
+    src, dst, ls, ld = kv_pair(a, b)
+    sent = KVSender(a, ls).send_blocks(b.endpoint, ld, [1, 2, 4], [7, 0, 1])
+    assert sent == 3 * 3 * 2 * BB
+    assert (a.num_writes, a.num_bytes) == (1, sent)
+    expected = torch.zeros_like(dst)
+    expected[:, :, [7, 0, 1]] = src[:, :, [1, 2, 4]]
+    assert torch.equal(dst, expected)
+
+
+def test_sender_with_no_blocks_writes_nothing(fake_pair):
+    a, b = fake_pair
+    _, _, ls, ld = kv_pair(a, b)
+    assert KVSender(a, ls).send_blocks(b.endpoint, ld, [], []) == 0
+    assert a.num_writes == 0
+
+
+def test_sender_rejects_incompatible_layout_before_writing(fake_pair):
+    a, b = fake_pair
+    _, _, ls, _ = kv_pair(a, b)
+    other = KVLayout.of_tensor(torch.zeros(3, 2, 9, 4, 2, 16))
+    with pytest.raises(ValueError, match="head_dim 8 != 16"):
+        KVSender(a, ls).send_blocks(b.endpoint, other, [0], [0])
+    assert a.num_writes == 0
+
+
+def test_sender_failure_is_transfer_error_and_copies_nothing(fake_pair):
+    a, b = fake_pair
+    _, dst, ls, ld = kv_pair(a, b)
+    a.fail_next()
+    with pytest.raises(TransferError, match="injected"):
+        KVSender(a, ls).send_blocks(b.endpoint, ld, [0, 1], [0, 1])
+    assert not dst.any() and a.num_writes == 0
+    assert KVSender(a, ls).send_blocks(b.endpoint, ld, [0, 1], [0, 1]) == 3 * 2 * 2 * BB
