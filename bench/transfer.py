@@ -8,7 +8,9 @@ the receiver fills with `recv_into`, then acks one byte. Every timing ends with 
 After the runs each receiver's checksum is compared with the expected bytes. The ratio to
 raw TCP is the median of per-repeat ratios (each backend timed right after raw TCP), which
 cancels most of the drift of a shared, busy host. `--scattered` adds a push into shuffled
-destination blocks: one 16 KiB write per (layer, K/V, block), the worst case.
+destination blocks: one 16 KiB write per (layer, K/V, block), the worst case. CPU time per
+push (sender process, receiver process) is reported too: it moves less than wall time when
+other work shares the cores.
 
     python bench/transfer.py [--repeats 9] [--scattered] [--out bench/results/transfer.json]
 """
@@ -47,6 +49,12 @@ def kv_shape(num_blocks: int) -> tuple[int, ...]:
 
 def digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all threads (10 ms ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def serve(backend: str, num_blocks: int) -> None:
@@ -170,12 +178,16 @@ def main() -> None:
         if args.scattered:
             paths[f"{backend}-scattered"] = EnginePath(backend, src, scattered, env)
     times: dict[str, list[float]] = {name: [] for name in paths}
+    cpu = {name: [0.0, 0.0] for name in paths}
     for rep in range(args.repeats + 1):
         for name, path in paths.items():
+            cpu_start = (time.process_time(), process_cpu_s(path.receiver.proc.pid))
             start = time.perf_counter()
             assert path.send() == nbytes
             if rep:
                 times[name].append(time.perf_counter() - start)
+                cpu[name][0] += time.process_time() - cpu_start[0]
+                cpu[name][1] += process_cpu_s(path.receiver.proc.pid) - cpu_start[1]
     checks = {name: path.finish() for name, path in paths.items()}
 
     def summary(name: str) -> dict:
@@ -183,7 +195,9 @@ def main() -> None:
         return {"gb_per_s": round(nbytes / statistics.median(ts) / 1e9, 3),
                 "ratio_to_tcp": round(statistics.median(t / b for t, b in zip(times["tcp"], ts)), 3),
                 "median_ms": round(statistics.median(ts) * 1e3, 2),
-                "runs_ms": [round(t * 1e3, 2) for t in ts], "bytes_match": checks[name]}
+                "runs_ms": [round(t * 1e3, 2) for t in ts], "bytes_match": checks[name],
+                "cpu_ms_per_push": {"sender": round(cpu[name][0] / len(ts) * 1e3, 1),
+                                    "receiver": round(cpu[name][1] / len(ts) * 1e3, 1)}}
 
     results = {
         "payload": {**LAYOUT, "dtype": "float32", "num_tokens": NUM_TOKENS, "num_blocks": num_blocks,
@@ -203,7 +217,8 @@ def main() -> None:
           f"median of {args.repeats}:")
     for name, r in results["results"].items():
         print(f"  {name:18s} {r['gb_per_s']:6.3f} GB/s  {r['ratio_to_tcp']:5.2f}x raw TCP  "
-              f"bytes match: {r['bytes_match']}")
+              f"CPU ms/push sender {r['cpu_ms_per_push']['sender']:6.1f} receiver "
+              f"{r['cpu_ms_per_push']['receiver']:6.1f}  bytes match: {r['bytes_match']}")
     print(f"wrote {args.out}")
 
 

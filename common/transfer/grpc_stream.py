@@ -7,7 +7,7 @@ registered memory after checking that [remote_address, + len(data)) lies inside 
 registered region; otherwise the RPC ends with INVALID_ARGUMENT and nothing more of that
 stream is applied. The ack carries the bytes written.
 
-Writer: one channel per peer, kept until close(); a batch is one RPC whose ranges are split
+Writer: one channel per peer, kept until close() or an UNAVAILABLE failure; a batch is one RPC whose ranges are split
 into chunks of at most `chunk_bytes`. Chunks are encoded and decoded by hand in
 WriteChunk's wire format (byte-identical to transfer_pb2.WriteChunk, whose clients work
 unchanged) so that each chunk's payload is copied once on each side instead of three times.
@@ -58,7 +58,7 @@ def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
 
 def encode_chunk(remote_address: int, local_address: int, length: int) -> bytes:
     """WriteChunk(remote_address, data=<length bytes at local_address>), serialized."""
-    header = b"\x08" + _varint(remote_address) + b"\x12" + _varint(length)
+    header = (b"\x08" + _varint(remote_address) if remote_address else b"") + b"\x12" + _varint(length)
     return b"".join((header, (ctypes.c_char * length).from_address(local_address)))
 
 
@@ -161,6 +161,12 @@ class GrpcStreamTransfer(TransferEngine):
                 self._calls[peer] = (channel, call)
             return self._calls[peer][1]
 
+    def _forget(self, peer: str) -> None:
+        """Drops a failed peer's channel (closed once no call uses it) so that the next write
+        connects afresh instead of waiting out the channel's reconnect backoff."""
+        with self._lock:
+            self._calls.pop(peer, None)
+
     def _chunks(self, batch: list[tuple[int, int, int]]):
         step = self.chunk_bytes
         for local, remote, length in batch:
@@ -176,6 +182,8 @@ class GrpcStreamTransfer(TransferEngine):
         try:
             ack = self._call_for(peer)(self._chunks(batch), timeout=self.timeout_s)
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self._forget(peer)
             raise TransferError(f"grpc write of {total} bytes to {peer} failed: "
                                 f"{exc.code().name}: {exc.details()}") from None
         if ack.bytes_written != total:

@@ -9,16 +9,18 @@ Configuration only, same code everywhere:
 - Ascend: the `mooncake-transfer-engine-npu` package, protocol "ascend" (HCCS / RoCE between
   NPUs); device memory is registered the same way.
 `metadata_server` "P2PHANDSHAKE" needs no extra service (a peer is addressed as
-host:rpc_port); an "etcd://host:port" URL works too.
+host:rpc_port); "etcd://host:port", "redis://..." or "http://..." select a metadata store.
 
-Useful environment variables of the engine (read when it starts): MC_TCP_SLICE_SIZE (bytes
-per socket read/write, default 64 KiB), MC_TCP_LANES_PER_PEER (connections per peer,
-default 4), MC_TRANSFER_TIMEOUT (seconds before a sync write gives up, default 30).
+Environment variables of the engine, read when it starts: MC_TCP_SLICE_SIZE (bytes per
+socket read/write, default 64 KiB), MC_TCP_LANES_PER_PEER (connections per peer, default
+4). On loopback with 2 cores neither changed the bandwidth beyond the noise.
 
 How a write runs: each range is submitted as its own transfer (`transfer_submit_write`),
-at most `max_inflight` at once (the TCP transport rejects more than
-MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER = 1024 queued per peer, so one huge batch of scattered
-blocks would fail), and completion is polled with short sleeps: the binding's
+at most `max_inflight` at once: the TCP transport refuses a peer's transfers beyond
+MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER + MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER (1024 each),
+so one `batch_transfer_sync_write` of ~2,100+ ranges fails outright (the bench model's
+4,096-token prompt pushed into scattered blocks is 4,096 ranges); keep max_inflight x
+concurrent writers to one peer under that too. Completion is polled with short sleeps: the binding's
 `batch_transfer_sync_write` busy-waits on a core, which on a small host starves the
 transport's own I/O thread (measured: ~20-50% slower on 2 cores). A write that fails or
 passes `timeout_s` + 1 s/GB raises TransferError after its in-flight ranges settle (or the
@@ -86,26 +88,27 @@ class MooncakeTransfer(TransferEngine):
         total = sum(length for _, _, length in batch)
         deadline = time.monotonic() + self.timeout_s + total / 1e9
         pending: deque[int] = deque()
+        delay = 2e-5
         try:
             for local, remote, length in batch:
                 if len(pending) >= self.max_inflight:
-                    self._wait_first(peer, pending, deadline)
+                    delay = self._wait_first(peer, pending, deadline, delay)
                 batch_id = self._engine.transfer_submit_write(peer, local, remote, length)
                 if not batch_id:
                     raise TransferError(f"mooncake write to {peer} refused at submit "
                                         "(peer unreachable or its metadata unknown)")
                 pending.append(batch_id)
             while pending:
-                self._wait_first(peer, pending, deadline)
+                delay = self._wait_first(peer, pending, deadline, delay)
         except TransferError:
             self._drain(pending, deadline)
             raise
         return total
 
-    def _wait_first(self, peer: str, pending: deque[int], deadline: float) -> None:
-        """Blocks until pending[0] completes (pops it) with backoff sleeps from 20 us to 1 ms;
-        the binding's own sync calls spin a core instead."""
-        delay = 2e-5
+    def _wait_first(self, peer: str, pending: deque[int], deadline: float, delay: float) -> float:
+        """Blocks until pending[0] completes and pops it, sleeping `delay` between polls,
+        doubling up to 1 ms; returns the delay reached (the binding's own sync calls spin a
+        core instead)."""
         while (status := self._engine.transfer_check_status(pending[0])) == 0:
             if time.monotonic() > deadline:
                 raise TransferError(f"mooncake write to {peer} timed out")
@@ -115,6 +118,7 @@ class MooncakeTransfer(TransferEngine):
         if status != 1:
             raise TransferError(f"mooncake write to {peer} failed with status {status} (peer gone, "
                                 "range not registered there, or timeout)")
+        return delay
 
     def _drain(self, pending: deque[int], deadline: float) -> None:
         while pending and time.monotonic() < deadline:

@@ -1,0 +1,262 @@
+"""Real transfer backends on loopback: Mooncake over TCP (P2PHANDSHAKE) and the gRPC stream.
+
+Two engines in this process, and a peer in another process (this file run as a script:
+`python test_transfer_backends.py peer BACKEND`, which registers a buffer, prints
+{endpoint, address, length} and answers `sum` with the sha256 of the buffer).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+
+from common.transfer import TransferError, create_transfer  # noqa: E402
+
+PEER_BYTES = (3 << 20) + 4321
+FAST_S = 5.0
+
+
+def _mooncake_importable() -> bool:
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+BACKENDS = [
+    pytest.param("mooncake", marks=pytest.mark.skipif(
+        not _mooncake_importable(), reason="mooncake.engine cannot be imported")),
+    "grpc",
+]
+
+
+class Buffer:
+    def __init__(self, data: bytes):
+        self.raw = ctypes.create_string_buffer(data, len(data))
+        self.address = ctypes.addressof(self.raw)
+
+    def bytes(self) -> bytes:
+        return self.raw.raw
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def engines(backend):
+    made = [create_transfer(backend), create_transfer(backend)]
+    yield made
+    for engine in made:
+        engine.close()
+
+
+def test_kv_blocks_between_two_engines(engines):
+    torch = pytest.importorskip("torch")
+    from common.transfer import KVLayout, KVSender
+    a, b = engines
+    torch.manual_seed(0)
+    src = torch.randn(4, 2, 12, 16, 2, 32)
+    dst = torch.zeros(4, 2, 14, 16, 2, 32)
+    ls, ld = KVLayout.of_tensor(src), KVLayout.of_tensor(dst)
+    a.register(ls.base_address, ls.span_bytes)
+    b.register(ld.base_address, ld.span_bytes)
+    src_ids, dst_ids = [0, 1, 2, 5, 9, 10], [3, 4, 5, 0, 12, 13]
+    sent = KVSender(a, ls).send_blocks(b.endpoint, ld, src_ids, dst_ids)
+    assert sent == 4 * 2 * 6 * ls.block_bytes
+    expected = torch.zeros_like(dst)
+    expected[:, :, dst_ids] = src[:, :, src_ids]
+    assert torch.equal(dst, expected)
+
+
+def test_large_and_odd_ranges_arrive_exactly(engines):
+    a, b = engines
+    src, dst = Buffer(os.urandom(9 << 20)), Buffer(bytes(10 << 20))
+    a.register(src.address, 9 << 20)
+    b.register(dst.address, 10 << 20)
+    batch = [(src.address + 3, dst.address + 1001, (9 << 20) - 3), (src.address, dst.address, 7)]
+    assert a.write(b.endpoint, batch) == (9 << 20) + 4
+    want = bytearray(10 << 20)
+    want[1001:1001 + (9 << 20) - 3] = src.bytes()[3:]
+    want[0:7] = src.bytes()[:7]
+    assert dst.bytes() == bytes(want)
+
+
+def test_batch_of_more_ranges_than_mooncake_queues_per_peer(engines):
+    a, b = engines
+    n = 3000  # one Mooncake batch of more than ~2,050 ranges to a peer is refused (queue full)
+    src, dst = Buffer(os.urandom(64 * n)), Buffer(bytes(64 * n))
+    a.register(src.address, 64 * n)
+    b.register(dst.address, 64 * n)
+    order = [(i * 7) % n for i in range(n)]
+    assert a.write(b.endpoint, [(src.address + 64 * i, dst.address + 64 * j, 64)
+                                for i, j in enumerate(order)]) == 64 * n
+    want = bytearray(64 * n)
+    for i, j in enumerate(order):
+        want[64 * j:64 * j + 64] = src.bytes()[64 * i:64 * i + 64]
+    assert dst.bytes() == bytes(want)
+
+
+def test_concurrent_writers(engines):
+    a, b = engines
+    src, dst = Buffer(os.urandom(8 << 20)), Buffer(bytes(8 << 20))
+    a.register(src.address, 8 << 20)
+    b.register(dst.address, 8 << 20)
+    errors = []
+
+    def worker(i: int) -> None:
+        try:
+            off = i << 20
+            a.write(b.endpoint, [(src.address + off, dst.address + off, 1 << 20)])
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and dst.bytes() == src.bytes()
+
+
+def test_out_of_range_address_fails_fast_then_engine_still_works(engines):
+    a, b = engines
+    src, dst = Buffer(os.urandom(4096)), Buffer(bytes(4096))
+    a.register(src.address, 4096)
+    b.register(dst.address, 4096)
+    start = time.monotonic()
+    with pytest.raises(TransferError):
+        a.write(b.endpoint, [(src.address, dst.address + 4000, 200)])
+    assert time.monotonic() - start < FAST_S
+    assert a.write(b.endpoint, [(src.address, dst.address, 4096)]) == 4096
+    assert dst.bytes() == src.bytes()
+
+
+def test_unreachable_peer_fails_fast(engines):
+    a, _ = engines
+    src = Buffer(bytes(64))
+    a.register(src.address, 64)
+    start = time.monotonic()
+    with pytest.raises(TransferError):
+        a.write(f"127.0.0.1:{free_port()}", [(src.address, 0x10000, 64)])
+    assert time.monotonic() - start < FAST_S
+
+
+class PeerProcess:
+    def __init__(self, backend: str):
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen([sys.executable, __file__, "peer", backend], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL)
+        self.info = json.loads(self.proc.stdout.readline())
+
+    def checksum(self) -> str:
+        self.proc.stdin.write("sum\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def peer_process(backend):
+    peer = PeerProcess(backend)
+    yield peer
+    peer.stop()
+
+
+def test_write_into_another_process(engines, peer_process):
+    a, _ = engines
+    info = peer_process.info
+    src = Buffer(os.urandom(PEER_BYTES))
+    a.register(src.address, PEER_BYTES)
+    base = info["address"]
+    batch = [(src.address, base + 17, 2 << 20), (src.address + (2 << 20), base + (5 << 19), 777)]
+    assert a.write(info["endpoint"], batch) == (2 << 20) + 777
+    want = bytearray(PEER_BYTES)
+    want[17:17 + (2 << 20)] = src.bytes()[:2 << 20]
+    want[5 << 19:(5 << 19) + 777] = src.bytes()[2 << 20:(2 << 20) + 777]
+    assert peer_process.checksum() == hashlib.sha256(want).hexdigest()
+
+    peer_process.stop()
+    start = time.monotonic()
+    with pytest.raises(TransferError):
+        a.write(info["endpoint"], [(src.address, base, 4096)])
+    assert time.monotonic() - start < FAST_S
+
+
+def test_grpc_receiver_accepts_protobuf_clients():
+    import grpc
+
+    from common.transfer.grpc_stream import CHANNEL_OPTIONS
+    from protos.pdmesh.v1 import transfer_pb2, transfer_pb2_grpc
+    receiver = create_transfer("grpc")
+    dst = Buffer(bytes(64))
+    receiver.register(dst.address, 64)
+    with grpc.insecure_channel(receiver.endpoint, options=CHANNEL_OPTIONS) as channel:
+        stub = transfer_pb2_grpc.KVTransferStub(channel)
+        chunks = [transfer_pb2.WriteChunk(remote_address=dst.address + 8, data=b"abc"),
+                  transfer_pb2.WriteChunk(data=b"", remote_address=dst.address)]
+        assert stub.Write(iter(chunks)).bytes_written == 3
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.Write(iter([transfer_pb2.WriteChunk(remote_address=dst.address + 62, data=b"xyz")]))
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not inside a region registered" in exc.value.details()
+    receiver.close()
+    assert dst.bytes()[8:11] == b"abc" and dst.bytes().count(0) == 61
+
+
+def test_grpc_chunk_codec_matches_protobuf():
+    from common.transfer.grpc_stream import decode_chunk, encode_chunk
+    from protos.pdmesh.v1 import transfer_pb2
+    payload = Buffer(os.urandom(300))
+    for address in (0, 1, 127, 128, 0x7F12_3456_789A, 2**64 - 1):
+        wire = encode_chunk(address, payload.address, 300)
+        assert wire == transfer_pb2.WriteChunk(remote_address=address, data=payload.bytes()).SerializeToString()
+        parsed_address, offset, length = decode_chunk(wire)
+        assert (parsed_address, wire[offset:offset + length]) == (address, payload.bytes())
+    reordered = b"\x12\x02hi" + b"\x08\x05" + b"\x1d\x00\x00\x00\x00"
+    assert decode_chunk(reordered) == (5, 2, 2)
+    with pytest.raises(ValueError, match="truncated"):
+        decode_chunk(b"\x12\x05hi")
+
+
+def serve_peer(backend: str) -> None:
+    engine = create_transfer(backend)
+    buf = Buffer(bytes(PEER_BYTES))
+    engine.register(buf.address, PEER_BYTES)
+    print(json.dumps({"endpoint": engine.endpoint, "address": buf.address, "length": PEER_BYTES}),
+          flush=True)
+    for line in sys.stdin:
+        if line.strip() != "sum":
+            break
+        print(hashlib.sha256(buf.bytes()).hexdigest(), flush=True)
+    engine.close()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["peer"]:
+    serve_peer(sys.argv[2])
