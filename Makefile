@@ -7,7 +7,7 @@ STAMP       := $(VENV)/.pdmesh-installed
 MODEL       ?= models/tiny-llama
 PYTEST_ARGS ?=
 
-.PHONY: install run test bench clean
+.PHONY: sysdeps install run generate test bench clean
 
 $(PY):
 	$(PYTHON_BOOT) -m venv $(VENV)
@@ -20,9 +20,29 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -e '.[test,mooncake]'
 	touch $(STAMP)
 
-install: $(STAMP)
+# Debian packages: etcd (membership tests start their own) and libibverbs1 (Mooncake).
+# apt-get runs only as root and only for what is missing; silent when all is present.
+sysdeps:
+	@missing=""; \
+	command -v etcd >/dev/null 2>&1 || missing="etcd-server etcd-client"; \
+	{ ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null; } | grep -q libibverbs.so.1 \
+		|| missing="$$missing libibverbs1"; \
+	[ -n "$$missing" ] || exit 0; \
+	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+		echo "sysdeps: missing $$missing (install as root; tests needing them skip)"; exit 0; fi; \
+	echo "sysdeps: apt-get install $$missing"; \
+	{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		--no-install-recommends $$missing >/dev/null; } || echo "sysdeps: apt-get failed"
 
+install: sysdeps $(STAMP)
+
+# The whole mesh on loopback (deploy/local.yaml; the tiny model is made on first use),
+# a few prompts through the gateway, timings, shutdown.
 run: install
+	$(PY) -m services.cli up --config deploy/local.yaml --demo
+
+# The engine in this process, no services: `make generate MODEL=/path/to/hf_folder`.
+generate: install
 	$(PY) -m services.cli generate --model $(MODEL)
 
 test: install

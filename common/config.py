@@ -58,7 +58,7 @@ class EngineConfig:
 
 
 ROLES = ("prefill", "decode", "both")
-POLICIES = ("least_load", "round_robin")
+POLICIES = ("cache_aware", "least_load", "round_robin")
 TRANSFER_BACKENDS = ("mooncake", "grpc", "fake")
 
 
@@ -88,6 +88,7 @@ class MetaConfig:
     ttl_seconds: float = 3.0
     policy: str = "least_load"
     local_prefill_max_tokens: int = 0   # prompts shorter than this prefill on the decode node
+    prefill_queue_threshold: int = 0    # > 0: prefill locally while every prefill node has more waiting
     advertise_host: str = ""            # "" = host
 
     def __post_init__(self) -> None:

@@ -24,7 +24,7 @@ DEMO_PROMPTS = [
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("generate", help="generate text offline with the engine",
+    p = subparsers.add_parser("generate", help="generate text offline or through a gateway",
                               description=__doc__)
     p.add_argument("prompts", nargs="*", help="prompts (default: a few built-in ones)")
     p.add_argument("--gateway", default="", metavar="HOST:PORT",

@@ -27,12 +27,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     tie.add_argument("--tie-word-embeddings", dest="tie_word_embeddings", action="store_true", default=None)
     tie.add_argument("--no-tie-word-embeddings", dest="tie_word_embeddings", action="store_false")
     p.add_argument("--max-shard-bytes", type=int, default=None, help="split weights into HF shards of this size")
+    p.add_argument("--if-missing", action="store_true", help="do nothing when OUT/config.json exists")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from common.model.tiny import make_tiny_model
 
+    if args.if_missing and (Path(args.out) / "config.json").exists():
+        print(f"{args.out} already has a model; nothing to do")
+        return 0
     try:
         out = make_tiny_model(
             args.arch, args.out, args.seed,

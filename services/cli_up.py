@@ -108,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"gateway ready at {address}", flush=True)
         if args.demo:
             from services.demo import run_demo
+            if mesh_cfg.tiny_arch:
+                print("(the tiny model has random weights: its text is gibberish)", flush=True)
             code = run_demo(address, max_tokens=args.max_tokens)
         else:
             code = _wait(mesh)

@@ -15,7 +15,9 @@ CHANNEL_OPTIONS = [
 
 
 def new_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=CHANNEL_OPTIONS)
+    """SO_REUSEPORT off (gRPC turns it on by default): a second server on a taken port
+    must fail to bind, not silently share the port with the first."""
+    return grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
@@ -38,6 +40,17 @@ def bind(server: grpc.aio.Server, host: str, port: int) -> int:
     if bound == 0:
         raise RuntimeError(f"cannot bind {host}:{port} (address in use?)")
     return bound
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether binding host:port fails now (as a gRPC server would: SO_REUSEADDR on)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 def free_port(host: str = "127.0.0.1") -> int:

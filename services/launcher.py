@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import MeshConfig
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
-from services.grpc_util import free_port
+from services.grpc_util import free_port, port_in_use
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,6 +87,15 @@ class MeshProcesses:
         self.services["gateway"] = Service("gateway", "gateway", m.gateway.host, gw_port, [],
                                            self.log_dir / "gateway.log")
 
+    def _check_ports(self) -> None:
+        """Fixed ports must be free: a stranger there would answer our health checks."""
+        m = self.mesh
+        fixed = [("meta-server", m.meta.host, m.meta.port), ("gateway", m.gateway.host, m.gateway.port),
+                 *((n.node_id, n.host, n.port) for n in m.nodes)]
+        taken = [f"{name} {host}:{port}" for name, host, port in fixed if port and port_in_use(host, port)]
+        if taken:
+            raise RuntimeError(f"port(s) already in use: {', '.join(taken)} (another mesh running?)")
+
     def _spawn(self, svc: Service) -> None:
         cmd = [sys.executable, "-m", "services.cli", "serve", svc.role, "--config", self.config_path,
                "--port", str(svc.port), "--meta", self.meta_address, *svc.args]
@@ -111,6 +120,7 @@ class MeshProcesses:
     def start(self, timeout_s: float = 120.0) -> str:
         """Start everything; returns the gateway address. Stops what started on failure."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._check_ports()
         self._plan()
         try:
             order = ["meta-server", *[n.node_id for n in self.mesh.nodes]]
@@ -149,7 +159,7 @@ class MeshProcesses:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + grace_s
-        for svc in running:
+        for svc in reversed(running):
             try:
                 svc.process.wait(timeout=max(0.1, deadline - time.monotonic()))
                 self._say(f"{svc.name:<12} stopped")

@@ -1,0 +1,161 @@
+"""`pdmesh up` as a user runs it: a subprocess that makes the tiny model, starts the mesh,
+prints `gateway ready at HOST:PORT`, serves, and on SIGTERM stops every service and exits
+0 with no process left behind. `--demo` serves a few prompts itself and exits 0."""
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from services.client import stream_generate
+
+ROOT = Path(__file__).resolve().parents[2]
+READY = re.compile(r"^gateway ready at (\S+)$")
+PID = re.compile(r"^(\S+)\s+\S+\s+healthy at \S+ \(pid (\d+)\)$")
+
+
+def write_config(tmp_path: Path, model: Path, *, bind_any: bool = False) -> Path:
+    """deploy/local.yaml with free ports and `model`; bind_any: the compose layout (bind
+    0.0.0.0, advertise a name, transfer hostname from the node)."""
+    raw = yaml.safe_load((ROOT / "deploy" / "local.yaml").read_text())
+    raw["model"] = str(model)
+    raw["engine"]["num_blocks"] = 256
+    for section in (raw["meta_server"], raw["gateway"], *raw["nodes"]):
+        section["port"] = 0
+        if bind_any:
+            section["host"] = "0.0.0.0"
+            if section is not raw["gateway"]:
+                section["advertise_host"] = "localhost"
+    if bind_any:
+        raw["transfer"]["hostname"] = ""
+    path = tmp_path / "mesh.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+class Up:
+    """`pdmesh up` in a subprocess; its output lines are collected by a reader thread."""
+
+    def __init__(self, config: Path, log_dir: Path, *extra: str):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up", "--config", str(config),
+             "--log-dir", str(log_dir), *extra],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+    def wait_for(self, pattern: re.Pattern, timeout_s: float) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            self.lines.append(line)
+            if m := pattern.match(line):
+                return m
+        raise AssertionError(f"no line matching {pattern.pattern!r}; output:\n" + "\n".join(self.lines))
+
+    def finish(self, timeout_s: float) -> int:
+        code = self.proc.wait(timeout=timeout_s)
+        while (line := self._queue.get(timeout=5)) is not None:
+            self.lines.append(line)
+        return code
+
+    def pids(self) -> dict[str, int]:
+        return {m[1]: int(m[2]) for line in self.lines if (m := PID.match(line))}
+
+    def kill(self) -> None:
+        """Cleanup after a failed test: the up process and the services it reported."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pid in self.pids().values():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def assert_all_gone(up: Up, names: list[str]) -> None:
+    pids = up.pids()
+    assert sorted(pids) == sorted(names)
+    for name, pid in pids.items():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        assert any(line.startswith(name) and line.endswith("stopped") for line in up.lines), name
+
+
+SERVICES = ["meta-server", "prefill-0", "decode-0", "gateway"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """Not there yet: the first `up` makes it, later ones reuse it."""
+    return tmp_path_factory.mktemp("up-models") / "tiny-llama"
+
+
+@pytest.mark.timeout(120)
+def test_up_serves_then_stops_cleanly_on_sigterm(tmp_path, model_dir):
+    assert not model_dir.exists()
+    model = model_dir
+    up = Up(write_config(tmp_path, model), tmp_path / "logs")
+    try:
+        address = up.wait_for(READY, 90)[1]
+        assert any(line.startswith("making the built-in tiny llama model") for line in up.lines)
+        assert (model / "config.json").exists()
+
+        async def one():
+            async with grpc.aio.insecure_channel(address) as channel:
+                return await stream_generate(channel, "Hello there", max_tokens=8, ignore_eos=True)
+        result = asyncio.run(one())
+        assert len(result.token_ids) == 8 and result.finish_reason == "length"
+        assert result.usage.completion_tokens == 8 and 0 < result.ttft_s <= result.elapsed_s
+
+        start = time.monotonic()
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.finish(timeout_s=15) == 0
+        assert time.monotonic() - start < 15
+        assert [line for line in up.lines if READY.match(line)] == [f"gateway ready at {address}"]
+        assert_all_gone(up, SERVICES)
+    finally:
+        up.kill()
+
+
+@pytest.mark.timeout(120)
+def test_up_demo_bind_any_advertise_name(tmp_path, model_dir):
+    up = Up(write_config(tmp_path, model_dir, bind_any=True), tmp_path / "logs",
+            "--demo", "--max-tokens", "12")
+    try:
+        code = up.finish(timeout_s=110)
+        out = "\n".join(up.lines)
+        assert code == 0, out
+        assert sum(1 for line in up.lines if READY.match(line)) == 1
+        done = [line for line in up.lines if re.match(r"^--- \[\d\] .*12 tokens in .* tokens/s", line)]
+        assert len(done) == 4, out
+        assert re.search(r"^--- 4/4 requests, 48 tokens in .* tokens/s overall", out, re.M), out
+        assert "The quick brown fox" in out
+        assert_all_gone(up, SERVICES)
+    finally:
+        up.kill()

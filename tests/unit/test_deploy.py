@@ -1,0 +1,115 @@
+"""deploy/ and docker-compose.yml agree with the CLI and with each other: every compose
+command parses, the configs they name load, and addresses, ports and the model path line
+up across services. `docker-compose config -q` too when docker-compose is installed."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from common.config import load_mesh_config
+from services.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+LOCAL = ROOT / "deploy" / "local.yaml"
+ENGINE_ROLES = ("prefill", "decode", "both")
+
+
+def _image_root() -> str:
+    """The image's WORKDIR, where the Dockerfile copies deploy/."""
+    lines = (ROOT / "deploy" / "Dockerfile").read_text().splitlines()
+    assert "COPY deploy deploy" in lines
+    return next(line.split()[1] for line in lines if line.startswith("WORKDIR "))
+
+
+def _host_path(image_path: str) -> Path:
+    root = _image_root().rstrip("/") + "/"
+    assert image_path.startswith(root), f"{image_path} is not under the image's {root}"
+    return ROOT / image_path[len(root):]
+
+
+@pytest.fixture(scope="module")
+def services() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())["services"]
+
+
+@pytest.fixture(scope="module")
+def parsed(services) -> dict:
+    """service name -> argparse.Namespace of its command."""
+    return {name: build_parser().parse_args(svc["command"]) for name, svc in services.items()}
+
+
+@pytest.fixture(scope="module")
+def mesh(parsed):
+    configs = {args.config for args in parsed.values() if args.command == "serve"}
+    assert len(configs) == 1, f"every serve command names the same config, got {configs}"
+    return load_mesh_config(str(_host_path(configs.pop())))
+
+
+def test_every_command_parses_and_names_a_known_node(parsed, mesh):
+    roles = sorted(args.role for args in parsed.values() if args.command == "serve")
+    assert roles == sorted(["meta-server", "gateway", *(n.role for n in mesh.nodes)])
+    for name, args in parsed.items():
+        if args.command == "serve":
+            assert args.port is None and args.meta == "", f"{name}: ports come from the config"
+            if args.role in ENGINE_ROLES:
+                assert mesh.node(args.node_id).role == args.role
+
+
+def test_meta_address_is_the_meta_server_service(parsed, mesh):
+    [meta_service] = [n for n, a in parsed.items() if a.command == "serve" and a.role == "meta-server"]
+    assert mesh.meta.address == f"{meta_service}:{mesh.meta.port}"
+    assert mesh.meta.host in ("0.0.0.0", meta_service)
+
+
+def test_nodes_advertise_their_service_names(parsed, mesh):
+    by_node = {a.node_id: n for n, a in parsed.items() if a.command == "serve" and a.role in ENGINE_ROLES}
+    assert sorted(by_node) == sorted(n.node_id for n in mesh.nodes)
+    for node in mesh.nodes:
+        assert node.advertised_host == by_node[node.node_id]
+        assert node.host in ("0.0.0.0", node.advertised_host)
+        assert node.port > 0
+    assert mesh.transfer.hostname == "", "each node's transfer endpoint must be its own name"
+    ports = [mesh.meta.port, mesh.gateway.port, *(n.port for n in mesh.nodes)]
+    assert all(p > 0 for p in ports)
+
+
+def test_gateway_port_is_published(services, parsed, mesh):
+    [gw] = [n for n, a in parsed.items() if a.command == "serve" and a.role == "gateway"]
+    assert mesh.gateway.host == "0.0.0.0"
+    published = [str(p).split(":") for p in services[gw].get("ports", [])]
+    assert [str(mesh.gateway.port)] in [p[-1:] for p in published]
+
+
+def test_model_is_made_into_the_volume_every_service_reads(services, parsed, mesh):
+    [maker] = [n for n, a in parsed.items() if a.command == "make-tiny-model"]
+    args = parsed[maker]
+    assert args.out == mesh.model and args.arch == mesh.tiny_arch and args.if_missing
+    for name, a in parsed.items():
+        if a.command == "serve" and a.role != "meta-server":
+            mounts = [v.split(":")[1] for v in services[name]["volumes"]]
+            assert any(mesh.model.startswith(m.rstrip("/") + "/") for m in mounts), name
+            assert services[name]["depends_on"][maker]["condition"] == "service_completed_successfully"
+
+
+def test_local_yaml_loads_with_distinct_fixed_ports():
+    mesh = load_mesh_config(str(LOCAL))
+    assert mesh.tiny_arch == "llama" and mesh.model == "models/tiny-llama"
+    assert sorted(n.role for n in mesh.nodes) == ["decode", "prefill"]
+    ports = [mesh.meta.port, mesh.gateway.port, *(n.port for n in mesh.nodes)]
+    assert len(set(ports)) == len(ports) and all(p > 0 for p in ports)
+    hosts = {mesh.meta.host, mesh.gateway.host, mesh.transfer.hostname, *(n.host for n in mesh.nodes)}
+    assert hosts == {"127.0.0.1"}
+    assert mesh.transfer.backend == "mooncake" and mesh.transfer.protocol == "tcp"
+    mesh.engine_config()  # engine fields are valid
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
+def test_docker_compose_validates():
+    proc = subprocess.run(["docker-compose", "-f", str(COMPOSE), "config", "-q"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,40 @@
+"""A taken port is an error, never a silently shared one: gRPC servers bind without
+SO_REUSEPORT, and the launcher refuses to start when a fixed port is in use (a stranger
+there would answer its health checks)."""
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from common.config import mesh_config_from_dict
+from services import grpc_util
+from services.launcher import MeshProcesses
+
+
+def test_second_grpc_server_on_a_port_fails_to_bind():
+    async def main():
+        first, second = grpc_util.new_server(), grpc_util.new_server()
+        port = grpc_util.bind(first, "127.0.0.1", 0)
+        await first.start()
+        try:
+            with pytest.raises(RuntimeError, match=f"127.0.0.1:{port}"):
+                grpc_util.bind(second, "127.0.0.1", port)
+        finally:
+            await first.stop(None)
+    asyncio.run(main())
+
+
+def test_launcher_refuses_a_taken_fixed_port(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        raw = {"model": "m", "meta_server": {"port": 0}, "gateway": {"port": port},
+               "nodes": [{"role": "both", "node_id": "n0", "port": 0}]}
+        mesh = MeshProcesses(str(tmp_path / "mesh.yaml"), mesh_config_from_dict(raw), tmp_path, quiet=True)
+        with pytest.raises(RuntimeError, match=f"gateway 127.0.0.1:{port}"):
+            mesh.start(timeout_s=5)
+        assert mesh.services == {}
+    assert not grpc_util.port_in_use("127.0.0.1", port)
