@@ -107,7 +107,7 @@ class GrpcStreamTransfer(TransferEngine):
         self._calls: dict[str, tuple[grpc.Channel, grpc.StreamUnaryMultiCallable]] = {}
         self._lock = threading.Lock()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers, "kv-recv"),
-                                   options=CHANNEL_OPTIONS)
+                                   options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
         handler = grpc.stream_unary_rpc_method_handler(
             self._serve_write, response_serializer=transfer_pb2.WriteAck.SerializeToString)
         self._server.add_generic_rpc_handlers(
