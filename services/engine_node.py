@@ -50,6 +50,7 @@ class EngineNode:
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{node.node_id}-kv")
         self.address = ""
         self._membership: asyncio.Task | None = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
         self._meta: grpc.aio.Channel | None = None
 
     def node_info(self) -> common_pb2.NodeInfo:
@@ -73,6 +74,12 @@ class EngineNode:
             used_blocks=s["used_blocks"], free_blocks=s["free_blocks"],
             total_blocks=s["total_blocks"], pending_transfers=pending_transfers,
             prefix_hit_tokens=s["prefix_hit_tokens"])
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """A long-lived channel to a peer node (connections are reused across requests)."""
+        if address not in self._channels:
+            self._channels[address] = grpc_util.channel(address)
+        return self._channels[address]
 
     # ---- membership ---------------------------------------------------------------
     def start(self, address: str) -> None:
@@ -113,6 +120,8 @@ class EngineNode:
             except grpc.aio.AioRpcError:
                 pass
             await self._meta.close()
+        for ch in self._channels.values():
+            await ch.close()
         self.engine.shutdown()
         self.executor.shutdown(wait=True)
         self.transfer.close()

@@ -8,7 +8,6 @@ import logging
 import grpc
 
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from services import grpc_util
 from services.engine_node import EngineNode
 
 log = logging.getLogger("pdmesh.decode")
@@ -20,7 +19,6 @@ class RemotePrefillCall:
         self.node, self.request_id, self.prompt = node, request_id, prompt
         self.sampling, self.prefill, self.timeout_s = sampling, prefill, timeout_s
         self.reply: engine_pb2.PrefillResponse | None = None
-        self._channel: grpc.aio.Channel | None = None
         self._call = None
 
     async def run(self, block_ids: list[int], num_cached_tokens: int) -> int:
@@ -28,26 +26,20 @@ class RemotePrefillCall:
             node_id=self.node.node.node_id, transfer_endpoint=self.node.transfer.endpoint,
             layout=self.node.layout.to_proto(), block_ids=block_ids,
             num_cached_tokens=num_cached_tokens)
-        self._channel = grpc_util.channel(self.prefill.address)
-        stub = engine_pb2_grpc.PrefillStub(self._channel)
-        try:
-            self._call = stub.Prefill(engine_pb2.PrefillRequest(
-                request_id=self.request_id, prompt_token_ids=self.prompt, sampling=self.sampling,
-                destination=dest), timeout=self.timeout_s)
-            self.reply = await self._call
-            return self.reply.first_token_id
-        finally:
-            await self._channel.close()
+        stub = engine_pb2_grpc.PrefillStub(self.node.channel(self.prefill.address))
+        self._call = stub.Prefill(engine_pb2.PrefillRequest(
+            request_id=self.request_id, prompt_token_ids=self.prompt, sampling=self.sampling,
+            destination=dest), timeout=self.timeout_s)
+        self.reply = await self._call
+        return self.reply.first_token_id
 
     async def cancel(self) -> None:
         """Ask the prefill node to stop writing and wait until it has; then drop the call."""
-        channel = grpc_util.channel(self.prefill.address)
+        stub = engine_pb2_grpc.PrefillStub(self.node.channel(self.prefill.address))
         try:
-            await engine_pb2_grpc.PrefillStub(channel).CancelPrefill(
-                engine_pb2.CancelPrefillRequest(request_id=self.request_id), timeout=5)
+            await stub.CancelPrefill(engine_pb2.CancelPrefillRequest(request_id=self.request_id), timeout=5)
         except grpc.aio.AioRpcError as e:
             log.info("CancelPrefill of %s on %s: %s", self.request_id, self.prefill.node_id, e.code().name)
         finally:
-            await channel.close()
             if self._call is not None:
                 self._call.cancel()
