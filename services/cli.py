@@ -17,6 +17,8 @@ SUBCOMMANDS: tuple[str, ...] = (
     "services.cli_tiny",
     "services.cli_generate",
     "services.cli_serve",
+    "services.cli_up",
+    "services.cli_admin",
 )
 
 

@@ -2,8 +2,10 @@
 
 Lifecycle of a Generate RPC:
   validate + tokenize (INVALID_ARGUMENT naming the field)
-  -> Route at the meta-server (UNAVAILABLE when no decode node)
-  -> the decode node's Generate stream (it prefills locally or through the prefill node)
+  -> Route at the meta-server with the prompt's block hashes (UNAVAILABLE when no decode node)
+  -> the decode node's Generate stream (it prefills locally or through the prefill node);
+     a decode node that is UNAVAILABLE before sending anything (e.g. just died, not yet
+     expired by the meta-server) is excluded and the request routed again
   -> incremental detokenization, stop strings -> GenerateResponse chunks; the last one
      has finish_reason (stop | length | abort) and usage
 Client cancel: the decode stream is cancelled, which aborts the request downstream.
@@ -16,6 +18,7 @@ import uuid
 import grpc
 
 from common.engine.stop_strings import StopStringMatcher
+from common.hashing import hash_block_chain
 from common.model.detokenizer import IncrementalDetokenizer
 from common.model.tokenizer import Tokenizer
 from protos.pdmesh.v1 import (engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc, meta_pb2,
@@ -26,6 +29,12 @@ from services.convert import sampling_from_proto
 log = logging.getLogger("pdmesh.gateway")
 PASS_THROUGH = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                 grpc.StatusCode.UNAVAILABLE)
+MAX_ROUTE_ATTEMPTS = 3
+
+
+def layout_key(kv) -> str:
+    """The engine's block-hash layout string (LLMEngine.layout) rebuilt from a node's KVLayout."""
+    return f"{kv.dtype}:L{kv.num_layers}:H{kv.num_kv_heads}:D{kv.head_dim}:B{kv.block_size}"
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -37,6 +46,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.meta_stub = meta_pb2_grpc.MetaServerStub(self.meta)
         self.request_timeout_s = request_timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._hash_args: tuple[int, str, str] | None = None   # block_size, model_id, layout
+
+    async def _block_hashes(self, ids: list[int]) -> list[bytes]:
+        """The prompt's block hash chain as the nodes compute it (for cache-aware routing);
+        block size and layout come from the first live node of our model; [] if none yet."""
+        if self._hash_args is None:
+            try:
+                members = await self.meta_stub.ListMembers(meta_pb2.ListMembersRequest(), timeout=2)
+            except grpc.aio.AioRpcError:
+                return []
+            for n in members.nodes:
+                if n.model_id and n.kv_layout.block_size > 0:
+                    self._hash_args = (n.kv_layout.block_size, n.model_id, layout_key(n.kv_layout))
+                    break
+            else:
+                return []
+        block_size, model_id, layout = self._hash_args
+        return hash_block_chain(ids, block_size, model_id, layout)
 
     def _decode_stub(self, address: str) -> engine_pb2_grpc.DecodeStub:
         if address not in self._channels:
@@ -78,46 +105,59 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id or uuid.uuid4().hex
-        try:
-            route = await self.meta_stub.Route(meta_pb2.RouteRequest(
-                request_id=rid, model_id=self.model_id, num_prompt_tokens=len(ids)), timeout=5)
-        except grpc.aio.AioRpcError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"no route for the request: {e.details()}")
-        downstream = engine_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids,
-                                              sampling=request.sampling)
-        if not route.local_prefill:
-            downstream.prefill.CopyFrom(route.prefill)
-        call = self._decode_stub(route.decode.address).Generate(downstream, timeout=self.request_timeout_s)
-        detok = IncrementalDetokenizer(self.tokenizer, ids)
-        matcher = StopStringMatcher(params.stop)
-        num_out = 0
-        try:
-            async for msg in call:
-                text, stopped = matcher.feed(detok.add(msg.token_ids))
-                reply = gateway_pb2.GenerateResponse(token_ids=msg.token_ids)
-                if num_out == 0:
-                    reply.prefill_timing.CopyFrom(msg.prefill_timing)
-                num_out += len(msg.token_ids)
-                if stopped:
-                    reply.text, reply.finish_reason = text, "stop"
-                    reply.usage.CopyFrom(msg.usage)
-                    reply.usage.prompt_tokens, reply.usage.completion_tokens = len(ids), num_out
+        hashes = await self._block_hashes(ids)
+        excluded: list[str] = []
+        for attempt in range(MAX_ROUTE_ATTEMPTS):
+            try:
+                route = await self.meta_stub.Route(meta_pb2.RouteRequest(
+                    request_id=rid, model_id=self.model_id, num_prompt_tokens=len(ids),
+                    block_hashes=hashes, exclude_node_ids=excluded), timeout=5)
+            except grpc.aio.AioRpcError as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"no route for the request: {e.details()}")
+            downstream = engine_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids,
+                                                  sampling=request.sampling)
+            if not route.local_prefill:
+                downstream.prefill.CopyFrom(route.prefill)
+            call = self._decode_stub(route.decode.address).Generate(downstream, timeout=self.request_timeout_s)
+            detok = IncrementalDetokenizer(self.tokenizer, ids)
+            matcher = StopStringMatcher(params.stop)
+            num_out = 0
+            sent = False
+            try:
+                async for msg in call:
+                    text, stopped = matcher.feed(detok.add(msg.token_ids))
+                    reply = gateway_pb2.GenerateResponse(token_ids=msg.token_ids)
+                    if num_out == 0:
+                        reply.prefill_timing.CopyFrom(msg.prefill_timing)
+                    num_out += len(msg.token_ids)
+                    sent = True
+                    if stopped:
+                        reply.text, reply.finish_reason = text, "stop"
+                        reply.usage.CopyFrom(msg.usage)
+                        reply.usage.prompt_tokens, reply.usage.completion_tokens = len(ids), num_out
+                        yield reply
+                        return
+                    if msg.finish_reason:
+                        tail, _ = matcher.feed(detok.flush())
+                        reply.text = text + tail + matcher.flush()
+                        reply.finish_reason = msg.finish_reason
+                        reply.usage.CopyFrom(msg.usage)
+                        yield reply
+                        return
+                    reply.text = text
                     yield reply
-                    return
-                if msg.finish_reason:
-                    tail, _ = matcher.feed(detok.flush())
-                    reply.text = text + tail + matcher.flush()
-                    reply.finish_reason = msg.finish_reason
-                    reply.usage.CopyFrom(msg.usage)
-                    yield reply
-                    return
-                reply.text = text
-                yield reply
-        except grpc.aio.AioRpcError as e:
-            code = e.code() if e.code() in PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
-            await context.abort(code, f"decode node {route.decode.node_id}: {e.details()}")
-        finally:
-            call.cancel()
+                return
+            except grpc.aio.AioRpcError as e:
+                if (not sent and e.code() == grpc.StatusCode.UNAVAILABLE
+                        and attempt + 1 < MAX_ROUTE_ATTEMPTS):
+                    log.warning("decode node %s unavailable for %s (%s); routing again",
+                                route.decode.node_id, rid, e.details())
+                    excluded.append(route.decode.node_id)
+                    continue
+                code = e.code() if e.code() in PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
+                await context.abort(code, f"decode node {route.decode.node_id}: {e.details()}")
+            finally:
+                call.cancel()
 
     async def Tokenize(self, request, context):
         try:

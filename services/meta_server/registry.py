@@ -1,8 +1,12 @@
 """The embedded registry: the meta-server's own node table when no etcd is configured.
 
-A node registers its NodeInfo with a TTL and heartbeats its load; a node whose last
-heartbeat is older than the TTL is expired (removed) on the next look. A heartbeat from
-an unknown node returns False: it must register again (e.g. after a meta-server restart).
+Lifecycle of a member:
+  register -> up (heartbeats every TTL/3 carry its load)
+  -> no heartbeat for TTL -> down: still listed (for operators), never routed to;
+     a heartbeat now returns False and the node must register again
+  -> down for `down_retention_ttls` TTLs -> forgotten
+  deregister (clean shutdown) or remove (operator) forget it at once.
+Expiry is lazy: every look at the table (heartbeat, alive, members) applies it first.
 
 Thread-safety: used from the meta-server's event loop only.
 """
@@ -10,8 +14,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from protos.pdmesh.v1 import common_pb2
+
+UP, DOWN = "up", "down"
 
 
 @dataclass
@@ -20,7 +27,7 @@ class Member:
     ttl_s: float
     last_seen: float
     routed_since_heartbeat: int = 0    # requests routed here since its last load report
-    num_routed: int = 0
+    down_since: float | None = None    # set when the TTL expired
 
     @property
     def node_id(self) -> str:
@@ -30,7 +37,13 @@ class Member:
     def role(self) -> str:
         return self.info.role
 
+    @property
+    def state(self) -> str:
+        return UP if self.down_since is None else DOWN
+
     def load_score(self) -> float:
+        """Requests in flight (running + waiting at the last heartbeat + routed since) plus
+        the fraction of KV blocks in use; lower is less loaded."""
         load = self.info.load
         busy = load.running + load.waiting + self.routed_since_heartbeat
         used = 1.0 - load.free_blocks / load.total_blocks if load.total_blocks else 0.0
@@ -40,23 +53,23 @@ class Member:
 @dataclass
 class EmbeddedRegistry:
     default_ttl_s: float = 3.0
-    clock: callable = time.monotonic
-    members: dict[str, Member] = field(default_factory=dict)
+    down_retention_ttls: float = 10.0
+    clock: Callable[[], float] = time.monotonic
+    _members: dict[str, Member] = field(default_factory=dict)
 
     def register(self, info: common_pb2.NodeInfo, ttl_s: float = 0.0) -> float:
+        """Add or replace the member (state up); returns the TTL granted."""
         ttl = ttl_s if ttl_s > 0 else self.default_ttl_s
-        old = self.members.get(info.node_id)
         member = Member(common_pb2.NodeInfo(), ttl, self.clock())
         member.info.CopyFrom(info)
-        if old is not None:
-            member.num_routed = old.num_routed
-        self.members[info.node_id] = member
+        self._members[info.node_id] = member
         return ttl
 
     def heartbeat(self, node_id: str, load: common_pb2.NodeLoad) -> bool:
+        """Record the load of a live member; False if unknown or down (register again)."""
         self.expire()
-        member = self.members.get(node_id)
-        if member is None:
+        member = self._members.get(node_id)
+        if member is None or member.state == DOWN:
             return False
         member.last_seen = self.clock()
         member.info.load.CopyFrom(load)
@@ -64,15 +77,34 @@ class EmbeddedRegistry:
         return True
 
     def deregister(self, node_id: str) -> bool:
-        return self.members.pop(node_id, None) is not None
+        return self._members.pop(node_id, None) is not None
+
+    remove = deregister
 
     def expire(self) -> list[str]:
+        """Mark members past their TTL down, forget long-down ones; returns the newly down."""
         now = self.clock()
-        gone = [m.node_id for m in self.members.values() if now - m.last_seen > m.ttl_s]
-        for node_id in gone:
-            del self.members[node_id]
-        return gone
+        newly_down = []
+        for m in list(self._members.values()):
+            if m.down_since is None and now - m.last_seen > m.ttl_s:
+                m.down_since = now
+                newly_down.append(m.node_id)
+            elif m.down_since is not None and now - m.down_since > self.down_retention_ttls * m.ttl_s:
+                del self._members[m.node_id]
+        return newly_down
+
+    def get(self, node_id: str) -> Member | None:
+        self.expire()
+        return self._members.get(node_id)
+
+    def members(self) -> list[Member]:
+        """Every listed member, up or down."""
+        self.expire()
+        return list(self._members.values())
 
     def alive(self) -> list[Member]:
-        self.expire()
-        return list(self.members.values())
+        """Members that are up (routable unless drained)."""
+        return [m for m in self.members() if m.state == UP]
+
+    def seconds_since_heartbeat(self, member: Member) -> float:
+        return self.clock() - member.last_seen

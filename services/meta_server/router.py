@@ -1,15 +1,42 @@
 """Routing: pick the decode node and the prefill node (or local prefill) of a request.
 
-least_load: the node with the lowest (running + waiting + routed since its last heartbeat
-+ fraction of blocks used); ties broken by node id. round_robin: in turn by node id.
-A `both` node serves the whole request itself. Prefill is local when there is no
-prefill node, or the prompt is shorter than `local_prefill_max_tokens`.
+Candidates are the live members serving the model, minus drained nodes and the request's
+excluded ones (nodes that already failed it). Policies, per tier (decode, prefill):
+  round_robin  in turn by node id, one turn counter per tier.
+  least_load   lowest Member.load_score() (running + waiting at the last heartbeat +
+               routed since + fraction of blocks used); ties by node id.
+  cache_aware  Dynamo-style cost, lowest wins, ties by node id:
+                   cost = (num request blocks - prefix hit blocks) + load_penalty_blocks * load_score
+               i.e. the blocks the node would have to prefill plus a load penalty in block
+               units (default: one request in flight weighs 4 blocks). With a 512-token
+               shared prefix (32 blocks of 16) the node that served it wins unless it
+               has about 8 more requests in flight than the others.
+
+Where prefix hits come from: the gateway sends the request's block hashes (the chain of
+common.hashing) in RouteRequest, and the router records them for the nodes it chose in a
+PrefixIndex (per node LRU bounded by its number of KV blocks). Chosen over nodes
+reporting prefix-cache events with heartbeats because it needs no engine hooks and sees a
+prefix the moment it is routed (a report would lag up to TTL/3); the price is that
+evictions are guessed (LRU bound), not observed, and the index is empty after a
+meta-server restart. A wrong guess only costs a prefill; nodes check their own cache.
+The index is kept under every policy, so switching to cache_aware starts warm.
+
+Conditional disaggregation: prefill runs on the decode node (local) when the decode node
+is a `both` node, there is no usable prefill node, the prompt is shorter than
+local_prefill_max_tokens, or prefill_queue_threshold > 0 and every usable prefill node
+had more than that many requests waiting at its last heartbeat.
+
+Thread-safety: event loop only; route() mutates counters, the index and the chosen
+members' routed_since_heartbeat.
 """
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass
 
+from common.config import POLICIES
+from services.meta_server.prefix_index import PrefixIndex
 from services.meta_server.registry import Member
 
 
@@ -17,44 +44,100 @@ class NoNodeError(LookupError):
     """No live node can take the request."""
 
 
+@dataclass(frozen=True)
+class RouteRequest:
+    model_id: str
+    num_prompt_tokens: int
+    block_hashes: tuple[bytes, ...] = ()
+    exclude_node_ids: frozenset[str] = frozenset()
+
+
 @dataclass
 class RouteDecision:
     decode: Member
     prefill: Member | None
+    num_hit_blocks: int = 0            # predicted prefix hit on the decode node
 
     @property
     def local_prefill(self) -> bool:
         return self.prefill is None
 
 
+def check_policy(policy: str) -> str:
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {list(POLICIES)}, got {policy!r}")
+    return policy
+
+
 class Router:
-    def __init__(self, policy: str = "least_load", local_prefill_max_tokens: int = 0):
-        self.policy = policy
+    def __init__(self, local_prefill_max_tokens: int = 0, prefill_queue_threshold: int = 0,
+                 load_penalty_blocks: float = 4.0):
         self.local_prefill_max_tokens = local_prefill_max_tokens
-        self._turns = itertools.count()
+        self.prefill_queue_threshold = prefill_queue_threshold
+        self.load_penalty_blocks = load_penalty_blocks
+        self.index = PrefixIndex()
+        self._turns = {"decode": itertools.count(), "prefill": itertools.count()}
         self.num_routed = 0
+        self.num_local_prefill = 0
+        self.routed_by_node: Counter[str] = Counter()
+        self.node_roles: dict[str, str] = {}
 
-    def _pick(self, candidates: list[Member]) -> Member:
-        candidates.sort(key=lambda m: m.node_id)
-        if self.policy == "round_robin":
-            return candidates[next(self._turns) % len(candidates)]
-        return min(candidates, key=lambda m: (m.load_score(), m.node_id))
-
-    def route(self, members: list[Member], model_id: str, num_prompt_tokens: int,
-              exclude: set[str] = frozenset()) -> RouteDecision:
-        usable = [m for m in members if m.node_id not in exclude
-                  and (not model_id or m.info.model_id == model_id)]
+    def route(self, members: list[Member], request: RouteRequest, policy: str,
+              drained: frozenset[str] = frozenset()) -> RouteDecision:
+        """Choose among `members` (the live ones); NoNodeError if no decode node fits."""
+        check_policy(policy)
+        skip = drained | request.exclude_node_ids
+        usable = [m for m in members if m.node_id not in skip
+                  and (not request.model_id or m.info.model_id == request.model_id)]
         decodes = [m for m in usable if m.role in ("decode", "both")]
         if not decodes:
-            raise NoNodeError(f"no live decode node for model {model_id!r}")
-        decode = self._pick(decodes)
-        prefill = None
+            raise NoNodeError(f"no live, undrained decode node for model {request.model_id!r}")
+        hashes = request.block_hashes
+        decode = self._pick("decode", decodes, policy, hashes)
         prefills = [m for m in usable if m.role == "prefill"]
-        if decode.role == "decode" and prefills and num_prompt_tokens >= self.local_prefill_max_tokens:
-            prefill = self._pick(prefills)
-        for m in (decode, prefill):
+        prefill = None
+        if decode.role == "decode" and prefills and not self._prefill_locally(request, prefills):
+            prefill = self._pick("prefill", prefills, policy, hashes)
+        decision = RouteDecision(decode, prefill, self.index.prefix_hit(decode.node_id, hashes))
+        self._record(decision, hashes)
+        return decision
+
+    def _prefill_locally(self, request: RouteRequest, prefills: list[Member]) -> bool:
+        if request.num_prompt_tokens < self.local_prefill_max_tokens:
+            return True
+        threshold = self.prefill_queue_threshold
+        return threshold > 0 and min(m.info.load.waiting for m in prefills) > threshold
+
+    def _pick(self, tier: str, candidates: list[Member], policy: str,
+              hashes: tuple[bytes, ...]) -> Member:
+        candidates = sorted(candidates, key=lambda m: m.node_id)
+        if policy == "round_robin":
+            return candidates[next(self._turns[tier]) % len(candidates)]
+        if policy == "cache_aware":
+            return min(candidates, key=lambda m: (self.cost(m, hashes), m.node_id))
+        return min(candidates, key=lambda m: (m.load_score(), m.node_id))
+
+    def cost(self, member: Member, hashes: tuple[bytes, ...]) -> float:
+        """cache_aware cost in blocks: blocks to prefill + load penalty. Read-only."""
+        hit = self.index.prefix_hit(member.node_id, hashes)
+        return (len(hashes) - hit) + self.load_penalty_blocks * member.load_score()
+
+    def _record(self, decision: RouteDecision, hashes: tuple[bytes, ...]) -> None:
+        for m in (decision.decode, decision.prefill):
             if m is not None:
                 m.routed_since_heartbeat += 1
-                m.num_routed += 1
+                self.routed_by_node[m.node_id] += 1
+                self.node_roles[m.node_id] = m.role
+                self.index.record(m.node_id, hashes, m.info.kv_layout.num_blocks)
         self.num_routed += 1
-        return RouteDecision(decode, prefill)
+        self.num_local_prefill += decision.local_prefill
+
+    def node_restarted(self, node_id: str) -> None:
+        """A (re-)registered node starts with an empty prefix cache."""
+        self.index.forget(node_id)
+
+    def forget(self, node_id: str) -> None:
+        """Drop the node's prefix index and routed count (RemoveNode)."""
+        self.index.forget(node_id)
+        self.routed_by_node.pop(node_id, None)
+        self.node_roles.pop(node_id, None)

@@ -1,8 +1,15 @@
-"""Meta-server process: membership + routing over gRPC.
+"""Meta-server process: membership + routing (pdmesh.v1.MetaServer) and the operator API
+(pdmesh.v1.MetaAdmin) over gRPC, with health and reflection listing both.
 
     server, port = await create_server(meta_cfg)   # bound, started
+    server.control                                  # the MetaControl behind both services
     ...
     await server.stop(grace)
+
+admin_state: where drained nodes and the policy live; default in memory, seeded with
+cfg.policy. A store-backed one (StoreAdminState over etcd) is passed in by the caller;
+its load() is awaited before serving, so a restarted meta-server routes as before (a
+stored policy wins over cfg.policy).
 """
 from __future__ import annotations
 
@@ -12,26 +19,33 @@ import logging
 from common.config import MetaConfig
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
 from services import grpc_util
+from services.meta_server.admin_servicer import MetaAdminServicer
+from services.meta_server.admin_state import AdminState, InMemoryAdminState
+from services.meta_server.control import MetaControl
 from services.meta_server.registry import EmbeddedRegistry
 from services.meta_server.router import Router
 from services.meta_server.servicer import MetaServicer
 
 log = logging.getLogger("pdmesh.meta")
-SERVICE_NAME = meta_pb2.DESCRIPTOR.services_by_name["MetaServer"].full_name
+SERVICES = meta_pb2.DESCRIPTOR.services_by_name
+SERVICE_NAMES = [SERVICES["MetaServer"].full_name, SERVICES["MetaAdmin"].full_name]
 
 
-async def create_server(cfg: MetaConfig, port: int | None = None):
+async def create_server(cfg: MetaConfig, port: int | None = None,
+                        admin_state: AdminState | None = None):
+    admin = admin_state or InMemoryAdminState(cfg.policy)
+    await admin.load()
+    control = MetaControl(EmbeddedRegistry(default_ttl_s=cfg.ttl_seconds),
+                          Router(cfg.local_prefill_max_tokens, cfg.prefill_queue_threshold), admin)
     server = grpc_util.new_server()
-    registry = EmbeddedRegistry(default_ttl_s=cfg.ttl_seconds)
-    router = Router(cfg.policy, cfg.local_prefill_max_tokens)
-    servicer = MetaServicer(registry, router)
-    meta_pb2_grpc.add_MetaServerServicer_to_server(servicer, server)
-    health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
+    meta_pb2_grpc.add_MetaServerServicer_to_server(MetaServicer(control), server)
+    meta_pb2_grpc.add_MetaAdminServicer_to_server(MetaAdminServicer(control), server)
+    health = grpc_util.add_health_and_reflection(server, SERVICE_NAMES)
     bound = grpc_util.bind(server, cfg.host, cfg.port if port is None else port)
     await server.start()
-    await grpc_util.mark_serving(health, [SERVICE_NAME])
-    server.servicer = servicer
-    log.info("meta-server serving at %s:%d (policy %s, ttl %.1fs)", cfg.host, bound, cfg.policy,
+    await grpc_util.mark_serving(health, SERVICE_NAMES)
+    server.control = control
+    log.info("meta-server serving at %s:%d (policy %s, ttl %.1fs)", cfg.host, bound, admin.policy(),
              cfg.ttl_seconds)
     return server, bound
 

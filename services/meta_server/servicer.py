@@ -1,41 +1,45 @@
 """MetaServer gRPC servicer: membership (embedded registry) and Route. Thin: converts
-messages and maps errors to status codes."""
+messages to MetaControl calls and maps errors to status codes."""
 from __future__ import annotations
 
 import grpc
 
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
-from services.meta_server.registry import EmbeddedRegistry
-from services.meta_server.router import NoNodeError, Router
+from services.meta_server.control import MetaControl
+from services.meta_server.router import NoNodeError, RouteRequest
+
+
+def route_request(request: meta_pb2.RouteRequest) -> RouteRequest:
+    return RouteRequest(model_id=request.model_id, num_prompt_tokens=request.num_prompt_tokens,
+                        block_hashes=tuple(request.block_hashes),
+                        exclude_node_ids=frozenset(request.exclude_node_ids))
 
 
 class MetaServicer(meta_pb2_grpc.MetaServerServicer):
-    def __init__(self, registry: EmbeddedRegistry, router: Router):
-        self.registry = registry
-        self.router = router
+    def __init__(self, control: MetaControl):
+        self.control = control
 
     async def Register(self, request, context):
         node = request.node
         if not node.node_id or node.role not in ("prefill", "decode", "both") or not node.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "node.node_id, node.address and node.role (prefill|decode|both) are required")
-        ttl = self.registry.register(node, request.ttl_seconds)
+        ttl = self.control.register(node, request.ttl_seconds)
         return meta_pb2.RegisterResponse(ttl_seconds=ttl)
 
     async def Heartbeat(self, request, context):
-        if not self.registry.heartbeat(request.node_id, request.load):
+        if not self.control.heartbeat(request.node_id, request.load):
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"node {request.node_id!r} is not registered; register again")
         return meta_pb2.HeartbeatResponse()
 
     async def Deregister(self, request, context):
-        self.registry.deregister(request.node_id)
+        self.control.deregister(request.node_id)
         return meta_pb2.DeregisterResponse()
 
     async def Route(self, request, context):
         try:
-            decision = self.router.route(self.registry.alive(), request.model_id,
-                                         request.num_prompt_tokens, set(request.exclude_node_ids))
+            decision = self.control.route(route_request(request))
         except NoNodeError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         reply = meta_pb2.RouteResponse(decode=decision.decode.info,
@@ -45,4 +49,4 @@ class MetaServicer(meta_pb2_grpc.MetaServerServicer):
         return reply
 
     async def ListMembers(self, request, context):
-        return meta_pb2.ListMembersResponse(nodes=[m.info for m in self.registry.alive()])
+        return meta_pb2.ListMembersResponse(nodes=[m.info for m in self.control.live_members()])

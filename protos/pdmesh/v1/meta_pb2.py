@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pdmesh.v1 import common_pb2 as pdmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14pdmesh/v1/meta.proto\x12\tpdmesh.v1\x1a\x16pdmesh/v1/common.proto\"I\n\x0fRegisterRequest\x12!\n\x04node\x18\x01 \x01(\x0b\x32\x13.pdmesh.v1.NodeInfo\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x01\"\'\n\x10RegisterResponse\x12\x13\n\x0bttl_seconds\x18\x01 \x01(\x01\"F\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12!\n\x04load\x18\x02 \x01(\x0b\x32\x13.pdmesh.v1.NodeLoad\"\x13\n\x11HeartbeatResponse\"$\n\x11\x44\x65registerRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"\x7f\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x18\n\x10\x65xclude_node_ids\x18\x05 \x03(\t\"q\n\rRouteResponse\x12#\n\x06\x64\x65\x63ode\x18\x01 \x01(\x0b\x32\x13.pdmesh.v1.NodeInfo\x12$\n\x07prefill\x18\x02 \x01(\x0b\x32\x13.pdmesh.v1.NodeInfo\x12\x15\n\rlocal_prefill\x18\x03 \x01(\x08\"\x14\n\x12ListMembersRequest\"9\n\x13ListMembersResponse\x12\"\n\x05nodes\x18\x01 \x03(\x0b\x32\x13.pdmesh.v1.NodeInfo2\xee\x02\n\nMetaServer\x12\x43\n\x08Register\x12\x1a.pdmesh.v1.RegisterRequest\x1a\x1b.pdmesh.v1.RegisterResponse\x12\x46\n\tHeartbeat\x12\x1b.pdmesh.v1.HeartbeatRequest\x1a\x1c.pdmesh.v1.HeartbeatResponse\x12I\n\nDeregister\x12\x1c.pdmesh.v1.DeregisterRequest\x1a\x1d.pdmesh.v1.DeregisterResponse\x12:\n\x05Route\x12\x17.pdmesh.v1.RouteRequest\x1a\x18.pdmesh.v1.RouteResponse\x12L\n\x0bListMembers\x12\x1d.pdmesh.v1.ListMembersRequest\x1a\x1e.pdmesh.v1.ListMembersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14pdmesh/v1/meta.proto\x12\tpdmesh.v1\x1a\x16pdmesh/v1/common.proto\"I\n\x0fRegisterRequest\x12!\n\x04node\x18\x01 \x01(\x0b\x32\x13.pdmesh.v1.NodeInfo\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x01\"\'\n\x10RegisterResponse\x12\x13\n\x0bttl_seconds\x18\x01 \x01(\x01\"F\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12!\n\x04load\x18\x02 \x01(\x0b\x32\x13.pdmesh.v1.NodeLoad\"\x13\n\x11HeartbeatResponse\"$\n\x11\x44\x65registerRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"\x7f\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x18\n\x10\x65xclude_node_ids\x18\x05 \x03(\t\"q\n\rRouteResponse\x12#\n\x06\x64\x65\x63ode\x18\x01 \x01(\x0b\x32\x13.pdmesh.v1.NodeInfo\x12$\n\x07prefill\x18\x02 \x01(\x0b\x32\x13.pdmesh.v1.NodeInfo\x12\x15\n\rlocal_prefill\x18\x03 \x01(\x08\"\x14\n\x12ListMembersRequest\"9\n\x13ListMembersResponse\x12\"\n\x05nodes\x18\x01 \x03(\x0b\x32\x13.pdmesh.v1.NodeInfo\"s\n\nNodeStatus\x12!\n\x04info\x18\x01 \x01(\x0b\x32\x13.pdmesh.v1.NodeInfo\x12\r\n\x05state\x18\x02 \x01(\t\x12\x1f\n\x17seconds_since_heartbeat\x18\x03 \x01(\x01\x12\x12\n\nnum_routed\x18\x04 \x01(\x03\"\x12\n\x10ListNodesRequest\"9\n\x11ListNodesResponse\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.pdmesh.v1.NodeStatus\"#\n\x10\x44rainNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"8\n\x11\x44rainNodeResponse\x12#\n\x04node\x18\x01 \x01(\x0b\x32\x15.pdmesh.v1.NodeStatus\"%\n\x12UndrainNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\":\n\x13UndrainNodeResponse\x12#\n\x04node\x18\x01 \x01(\x0b\x32\x15.pdmesh.v1.NodeStatus\"$\n\x11RemoveNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x14\n\x12RemoveNodeResponse\"\x12\n\x10GetPolicyRequest\"\"\n\x10SetPolicyRequest\x12\x0e\n\x06policy\x18\x01 \x01(\t\"1\n\x0ePolicyResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x0f\n\x07\x61llowed\x18\x02 \x03(\t\"\x11\n\x0fGetStatsRequest\"C\n\x0eNodeRouteCount\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x12\n\nnum_routed\x18\x03 \x01(\x03\"\xa6\x01\n\x10GetStatsResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x12\n\nnum_routed\x18\x02 \x01(\x03\x12\x19\n\x11num_local_prefill\x18\x03 \x01(\x03\x12(\n\x05nodes\x18\x04 \x03(\x0b\x32\x19.pdmesh.v1.NodeRouteCount\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\x03\x12\x14\n\x0ctotal_blocks\x18\x06 \x01(\x03\x32\xee\x02\n\nMetaServer\x12\x43\n\x08Register\x12\x1a.pdmesh.v1.RegisterRequest\x1a\x1b.pdmesh.v1.RegisterResponse\x12\x46\n\tHeartbeat\x12\x1b.pdmesh.v1.HeartbeatRequest\x1a\x1c.pdmesh.v1.HeartbeatResponse\x12I\n\nDeregister\x12\x1c.pdmesh.v1.DeregisterRequest\x1a\x1d.pdmesh.v1.DeregisterResponse\x12:\n\x05Route\x12\x17.pdmesh.v1.RouteRequest\x1a\x18.pdmesh.v1.RouteResponse\x12L\n\x0bListMembers\x12\x1d.pdmesh.v1.ListMembersRequest\x1a\x1e.pdmesh.v1.ListMembersResponse2\x83\x04\n\tMetaAdmin\x12\x46\n\tListNodes\x12\x1b.pdmesh.v1.ListNodesRequest\x1a\x1c.pdmesh.v1.ListNodesResponse\x12\x46\n\tDrainNode\x12\x1b.pdmesh.v1.DrainNodeRequest\x1a\x1c.pdmesh.v1.DrainNodeResponse\x12L\n\x0bUndrainNode\x12\x1d.pdmesh.v1.UndrainNodeRequest\x1a\x1e.pdmesh.v1.UndrainNodeResponse\x12I\n\nRemoveNode\x12\x1c.pdmesh.v1.RemoveNodeRequest\x1a\x1d.pdmesh.v1.RemoveNodeResponse\x12\x43\n\tGetPolicy\x12\x1b.pdmesh.v1.GetPolicyRequest\x1a\x19.pdmesh.v1.PolicyResponse\x12\x43\n\tSetPolicy\x12\x1b.pdmesh.v1.SetPolicyRequest\x1a\x19.pdmesh.v1.PolicyResponse\x12\x43\n\x08GetStats\x12\x1a.pdmesh.v1.GetStatsRequest\x1a\x1b.pdmesh.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -52,6 +52,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTMEMBERSREQUEST']._serialized_end=592
   _globals['_LISTMEMBERSRESPONSE']._serialized_start=594
   _globals['_LISTMEMBERSRESPONSE']._serialized_end=651
-  _globals['_METASERVER']._serialized_start=654
-  _globals['_METASERVER']._serialized_end=1020
+  _globals['_NODESTATUS']._serialized_start=653
+  _globals['_NODESTATUS']._serialized_end=768
+  _globals['_LISTNODESREQUEST']._serialized_start=770
+  _globals['_LISTNODESREQUEST']._serialized_end=788
+  _globals['_LISTNODESRESPONSE']._serialized_start=790
+  _globals['_LISTNODESRESPONSE']._serialized_end=847
+  _globals['_DRAINNODEREQUEST']._serialized_start=849
+  _globals['_DRAINNODEREQUEST']._serialized_end=884
+  _globals['_DRAINNODERESPONSE']._serialized_start=886
+  _globals['_DRAINNODERESPONSE']._serialized_end=942
+  _globals['_UNDRAINNODEREQUEST']._serialized_start=944
+  _globals['_UNDRAINNODEREQUEST']._serialized_end=981
+  _globals['_UNDRAINNODERESPONSE']._serialized_start=983
+  _globals['_UNDRAINNODERESPONSE']._serialized_end=1041
+  _globals['_REMOVENODEREQUEST']._serialized_start=1043
+  _globals['_REMOVENODEREQUEST']._serialized_end=1079
+  _globals['_REMOVENODERESPONSE']._serialized_start=1081
+  _globals['_REMOVENODERESPONSE']._serialized_end=1101
+  _globals['_GETPOLICYREQUEST']._serialized_start=1103
+  _globals['_GETPOLICYREQUEST']._serialized_end=1121
+  _globals['_SETPOLICYREQUEST']._serialized_start=1123
+  _globals['_SETPOLICYREQUEST']._serialized_end=1157
+  _globals['_POLICYRESPONSE']._serialized_start=1159
+  _globals['_POLICYRESPONSE']._serialized_end=1208
+  _globals['_GETSTATSREQUEST']._serialized_start=1210
+  _globals['_GETSTATSREQUEST']._serialized_end=1227
+  _globals['_NODEROUTECOUNT']._serialized_start=1229
+  _globals['_NODEROUTECOUNT']._serialized_end=1296
+  _globals['_GETSTATSRESPONSE']._serialized_start=1299
+  _globals['_GETSTATSRESPONSE']._serialized_end=1465
+  _globals['_METASERVER']._serialized_start=1468
+  _globals['_METASERVER']._serialized_end=1834
+  _globals['_METAADMIN']._serialized_start=1837
+  _globals['_METAADMIN']._serialized_end=2352
 # @@protoc_insertion_point(module_scope)

@@ -76,3 +76,107 @@ class ListMembersResponse(_message.Message):
     NODES_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[_common_pb2.NodeInfo]
     def __init__(self, nodes: _Optional[_Iterable[_Union[_common_pb2.NodeInfo, _Mapping]]] = ...) -> None: ...
+
+class NodeStatus(_message.Message):
+    __slots__ = ("info", "state", "seconds_since_heartbeat", "num_routed")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROUTED_FIELD_NUMBER: _ClassVar[int]
+    info: _common_pb2.NodeInfo
+    state: str
+    seconds_since_heartbeat: float
+    num_routed: int
+    def __init__(self, info: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ..., state: _Optional[str] = ..., seconds_since_heartbeat: _Optional[float] = ..., num_routed: _Optional[int] = ...) -> None: ...
+
+class ListNodesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListNodesResponse(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ...) -> None: ...
+
+class DrainNodeRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class DrainNodeResponse(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: NodeStatus
+    def __init__(self, node: _Optional[_Union[NodeStatus, _Mapping]] = ...) -> None: ...
+
+class UndrainNodeRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class UndrainNodeResponse(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: NodeStatus
+    def __init__(self, node: _Optional[_Union[NodeStatus, _Mapping]] = ...) -> None: ...
+
+class RemoveNodeRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class RemoveNodeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetPolicyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SetPolicyRequest(_message.Message):
+    __slots__ = ("policy",)
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    def __init__(self, policy: _Optional[str] = ...) -> None: ...
+
+class PolicyResponse(_message.Message):
+    __slots__ = ("policy", "allowed")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    allowed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, policy: _Optional[str] = ..., allowed: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeRouteCount(_message.Message):
+    __slots__ = ("node_id", "role", "num_routed")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROUTED_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    role: str
+    num_routed: int
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., num_routed: _Optional[int] = ...) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("policy", "num_routed", "num_local_prefill", "nodes", "free_blocks", "total_blocks")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROUTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    num_routed: int
+    num_local_prefill: int
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeRouteCount]
+    free_blocks: int
+    total_blocks: int
+    def __init__(self, policy: _Optional[str] = ..., num_routed: _Optional[int] = ..., num_local_prefill: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeRouteCount, _Mapping]]] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...

@@ -272,3 +272,346 @@ class MetaServer:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class MetaAdminStub:
+    """Operator API of the meta-server: see and steer the mesh. Unknown node id: NOT_FOUND.
+    Admin state (drained nodes, policy) outlives requests; it is kept by the meta-server
+    (in etcd when configured, so a restarted meta-server recovers it).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ListNodes = channel.unary_unary(
+                '/pdmesh.v1.MetaAdmin/ListNodes',
+                request_serializer=pdmesh_dot_v1_dot_meta__pb2.ListNodesRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_meta__pb2.ListNodesResponse.FromString,
+                _registered_method=True)
+        self.DrainNode = channel.unary_unary(
+                '/pdmesh.v1.MetaAdmin/DrainNode',
+                request_serializer=pdmesh_dot_v1_dot_meta__pb2.DrainNodeRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_meta__pb2.DrainNodeResponse.FromString,
+                _registered_method=True)
+        self.UndrainNode = channel.unary_unary(
+                '/pdmesh.v1.MetaAdmin/UndrainNode',
+                request_serializer=pdmesh_dot_v1_dot_meta__pb2.UndrainNodeRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_meta__pb2.UndrainNodeResponse.FromString,
+                _registered_method=True)
+        self.RemoveNode = channel.unary_unary(
+                '/pdmesh.v1.MetaAdmin/RemoveNode',
+                request_serializer=pdmesh_dot_v1_dot_meta__pb2.RemoveNodeRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_meta__pb2.RemoveNodeResponse.FromString,
+                _registered_method=True)
+        self.GetPolicy = channel.unary_unary(
+                '/pdmesh.v1.MetaAdmin/GetPolicy',
+                request_serializer=pdmesh_dot_v1_dot_meta__pb2.GetPolicyRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_meta__pb2.PolicyResponse.FromString,
+                _registered_method=True)
+        self.SetPolicy = channel.unary_unary(
+                '/pdmesh.v1.MetaAdmin/SetPolicy',
+                request_serializer=pdmesh_dot_v1_dot_meta__pb2.SetPolicyRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_meta__pb2.PolicyResponse.FromString,
+                _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/pdmesh.v1.MetaAdmin/GetStats',
+                request_serializer=pdmesh_dot_v1_dot_meta__pb2.GetStatsRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_meta__pb2.GetStatsResponse.FromString,
+                _registered_method=True)
+
+
+class MetaAdminServicer:
+    """Operator API of the meta-server: see and steer the mesh. Unknown node id: NOT_FOUND.
+    Admin state (drained nodes, policy) outlives requests; it is kept by the meta-server
+    (in etcd when configured, so a restarted meta-server recovers it).
+    """
+
+    def ListNodes(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DrainNode(self, request, context):
+        """No new request is routed to a drained node; its in-flight requests finish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UndrainNode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveNode(self, request, context):
+        """Forget the node (membership, drained flag, routing counts, prefix index). A node that
+        is still alive comes back, undrained, at its next heartbeat by registering again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPolicy(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetPolicy(self, request, context):
+        """INVALID_ARGUMENT: unknown policy
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_MetaAdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ListNodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListNodes,
+                    request_deserializer=pdmesh_dot_v1_dot_meta__pb2.ListNodesRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_meta__pb2.ListNodesResponse.SerializeToString,
+            ),
+            'DrainNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainNode,
+                    request_deserializer=pdmesh_dot_v1_dot_meta__pb2.DrainNodeRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_meta__pb2.DrainNodeResponse.SerializeToString,
+            ),
+            'UndrainNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.UndrainNode,
+                    request_deserializer=pdmesh_dot_v1_dot_meta__pb2.UndrainNodeRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_meta__pb2.UndrainNodeResponse.SerializeToString,
+            ),
+            'RemoveNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveNode,
+                    request_deserializer=pdmesh_dot_v1_dot_meta__pb2.RemoveNodeRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_meta__pb2.RemoveNodeResponse.SerializeToString,
+            ),
+            'GetPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPolicy,
+                    request_deserializer=pdmesh_dot_v1_dot_meta__pb2.GetPolicyRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_meta__pb2.PolicyResponse.SerializeToString,
+            ),
+            'SetPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPolicy,
+                    request_deserializer=pdmesh_dot_v1_dot_meta__pb2.SetPolicyRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_meta__pb2.PolicyResponse.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=pdmesh_dot_v1_dot_meta__pb2.GetStatsRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_meta__pb2.GetStatsResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdmesh.v1.MetaAdmin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdmesh.v1.MetaAdmin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class MetaAdmin:
+    """Operator API of the meta-server: see and steer the mesh. Unknown node id: NOT_FOUND.
+    Admin state (drained nodes, policy) outlives requests; it is kept by the meta-server
+    (in etcd when configured, so a restarted meta-server recovers it).
+    """
+
+    @staticmethod
+    def ListNodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.MetaAdmin/ListNodes',
+            pdmesh_dot_v1_dot_meta__pb2.ListNodesRequest.SerializeToString,
+            pdmesh_dot_v1_dot_meta__pb2.ListNodesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.MetaAdmin/DrainNode',
+            pdmesh_dot_v1_dot_meta__pb2.DrainNodeRequest.SerializeToString,
+            pdmesh_dot_v1_dot_meta__pb2.DrainNodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UndrainNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.MetaAdmin/UndrainNode',
+            pdmesh_dot_v1_dot_meta__pb2.UndrainNodeRequest.SerializeToString,
+            pdmesh_dot_v1_dot_meta__pb2.UndrainNodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.MetaAdmin/RemoveNode',
+            pdmesh_dot_v1_dot_meta__pb2.RemoveNodeRequest.SerializeToString,
+            pdmesh_dot_v1_dot_meta__pb2.RemoveNodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.MetaAdmin/GetPolicy',
+            pdmesh_dot_v1_dot_meta__pb2.GetPolicyRequest.SerializeToString,
+            pdmesh_dot_v1_dot_meta__pb2.PolicyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.MetaAdmin/SetPolicy',
+            pdmesh_dot_v1_dot_meta__pb2.SetPolicyRequest.SerializeToString,
+            pdmesh_dot_v1_dot_meta__pb2.PolicyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.MetaAdmin/GetStats',
+            pdmesh_dot_v1_dot_meta__pb2.GetStatsRequest.SerializeToString,
+            pdmesh_dot_v1_dot_meta__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,149 @@
+"""Router: exact choices of each policy, drained/excluded nodes skipped, cache_aware
+prefix affinity (and its load limit), conditional disaggregation, the prefix index."""
+from __future__ import annotations
+
+import pytest
+
+from common.hashing import hash_block_chain
+from protos.pdmesh.v1 import common_pb2
+from services.meta_server.prefix_index import PrefixIndex
+from services.meta_server.registry import Member
+from services.meta_server.router import NoNodeError, Router, RouteRequest
+
+BLOCK = 16
+
+
+def member(node_id: str, role: str, running: int = 0, waiting: int = 0, model: str = "m") -> Member:
+    info = common_pb2.NodeInfo(node_id=node_id, role=role, address=f"{node_id}:1", model_id=model,
+                               kv_layout=common_pb2.KVLayout(block_size=BLOCK, num_blocks=512),
+                               load=common_pb2.NodeLoad(running=running, waiting=waiting,
+                                                        free_blocks=512, total_blocks=512))
+    return Member(info, ttl_s=3.0, last_seen=0.0)
+
+
+def heartbeat(m: Member, running: int = 0, waiting: int = 0) -> None:
+    m.info.load.running, m.info.load.waiting = running, waiting
+    m.routed_since_heartbeat = 0
+
+
+def mesh():
+    return [member("p0", "prefill"), member("p1", "prefill"), member("d0", "decode"), member("d1", "decode")]
+
+
+def req(tokens: int = 100, hashes=(), exclude=()) -> RouteRequest:
+    return RouteRequest("m", tokens, tuple(hashes), frozenset(exclude))
+
+
+def ids(decision) -> tuple[str, str | None]:
+    return decision.decode.node_id, decision.prefill.node_id if decision.prefill else None
+
+
+def test_round_robin_takes_turns_per_tier():
+    router, members = Router(), mesh()
+    got = [ids(router.route(members, req(), "round_robin")) for _ in range(4)]
+    assert got == [("d0", "p0"), ("d1", "p1"), ("d0", "p0"), ("d1", "p1")]
+    assert dict(router.routed_by_node) == {"d0": 2, "d1": 2, "p0": 2, "p1": 2}
+    assert router.num_routed == 4 and router.num_local_prefill == 0
+
+
+def test_least_load_counts_requests_routed_since_the_heartbeat():
+    router, members = Router(), mesh()
+    p0, p1, d0, d1 = members
+    heartbeat(d0, running=2)
+    heartbeat(p1, waiting=1)
+    got = [ids(router.route(members, req(), "least_load")) for _ in range(4)]
+    assert got == [("d1", "p0"), ("d1", "p0"), ("d0", "p1"), ("d1", "p0")]
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_load", "cache_aware"])
+def test_drained_and_excluded_nodes_are_never_chosen(policy):
+    router, members = Router(), mesh()
+    for _ in range(5):
+        assert ids(router.route(members, req(), policy, drained=frozenset({"d0", "p1"}))) == ("d1", "p0")
+    assert ids(router.route(members, req(exclude={"d1"}), policy, drained=frozenset({"p0"}))) == ("d0", "p1")
+    with pytest.raises(NoNodeError):
+        router.route(members, req(exclude={"d1"}), policy, drained=frozenset({"d0"}))
+    assert router.routed_by_node["d0"] == 1 and router.routed_by_node["p1"] == 1
+
+
+def test_model_filter_and_unknown_policy():
+    router = Router()
+    with pytest.raises(NoNodeError, match="other"):
+        router.route(mesh(), RouteRequest("other", 10), "least_load")
+    with pytest.raises(ValueError, match=r"\['cache_aware', 'least_load', 'round_robin'\]"):
+        router.route(mesh(), req(), "random")
+
+
+def prompt(prefix_seed: int, suffix_seed: int, prefix_len: int = 512, suffix_len: int = 88) -> list[int]:
+    return ([(prefix_seed * 7919 + i) % 1000 + 3 for i in range(prefix_len)]
+            + [(suffix_seed * 104729 + i) % 1000 + 3 for i in range(suffix_len)])
+
+
+def chain(tokens: list[int]) -> list[bytes]:
+    return hash_block_chain(tokens, BLOCK, "m", "layout")
+
+
+def test_cache_aware_follows_a_shared_512_token_prefix_unless_overloaded():
+    router, members = Router(), mesh()
+    p0, p1, d0, d1 = members
+    heartbeat(d0, running=1)
+    heartbeat(p0, running=1)
+    first = chain(prompt(1, 1))
+    assert ids(router.route(members, req(600, first), "cache_aware")) == ("d1", "p1")
+    # the earlier request still runs on d1/p1; the others are idle now
+    heartbeat(d0), heartbeat(p0), heartbeat(d1, running=1), heartbeat(p1, running=1)
+    second = chain(prompt(1, 2))                  # same 512-token prefix, other suffix
+    assert first[:32] == second[:32] and first[32] != second[32]
+    assert d0.load_score() < d1.load_score() and p0.load_score() < p1.load_score()
+    decision = router.route(members, req(600, second), "cache_aware")
+    assert ids(decision) == ("d1", "p1") and decision.num_hit_blocks == 32
+    # cost = missing blocks + 4 * load: 5 + 4 * 9 = 41 on d1 against 37 + 0 on d0
+    heartbeat(d1, running=9)
+    heartbeat(p1, running=9)
+    heartbeat(d0), heartbeat(p0)
+    third = chain(prompt(1, 3))
+    assert router.cost(d1, tuple(third)) == 5 + 4 * 9 and router.cost(d0, tuple(third)) == 37
+    assert ids(router.route(members, req(600, third), "cache_aware")) == ("d0", "p0")
+    # an unrelated prompt goes to the least loaded node, like least_load
+    heartbeat(d0, running=1), heartbeat(d1, running=0), heartbeat(p0, running=1), heartbeat(p1)
+    assert ids(router.route(members, req(600, chain(prompt(9, 9))), "cache_aware")) == ("d1", "p1")
+
+
+def test_conditional_disaggregation():
+    router, members = Router(local_prefill_max_tokens=64, prefill_queue_threshold=2), mesh()
+    p0, p1, d0, d1 = members
+    assert router.route(members, req(63), "least_load").local_prefill
+    assert not router.route(members, req(64), "least_load").local_prefill
+    heartbeat(p0, waiting=3)
+    heartbeat(p1, waiting=5)
+    decision = router.route(members, req(1000), "least_load")
+    assert decision.local_prefill and decision.decode.node_id in ("d0", "d1")
+    heartbeat(p1, waiting=2)                      # one prefill node at the threshold: remote
+    assert router.route(members, req(1000), "least_load").prefill.node_id == "p1"
+    assert router.num_local_prefill == 2 and router.num_routed == 4
+    assert router.route([p0, member("b0", "both")], req(1000), "least_load").local_prefill
+    assert router.route([d0], req(1000), "least_load").local_prefill
+    assert router.route(members, req(1000), "least_load", drained=frozenset({"p0", "p1"})).local_prefill
+
+
+def test_prefix_index_counts_leading_hits_and_evicts_tails_first():
+    index = PrefixIndex()
+    a, b = chain(prompt(1, 1, 64, 0)), chain(prompt(2, 2, 64, 0))   # 4 blocks each
+    index.record("n", a, capacity=6)
+    assert index.prefix_hit("n", a) == 4 and index.prefix_hit("n", a[1:]) == 3
+    index.record("n", b, capacity=6)              # evicts a's last two blocks first
+    assert index.prefix_hit("n", b) == 4 and index.prefix_hit("n", a) == 2
+    assert index.num_blocks("n") == 6 and index.prefix_hit("other", a) == 0
+    index.forget("n")
+    assert index.prefix_hit("n", b) == 0
+
+
+def test_restart_and_forget_reset_what_the_router_knows():
+    router, members = Router(), mesh()
+    hashes = chain(prompt(1, 1))
+    router.route(members, req(600, hashes), "cache_aware")
+    assert router.index.prefix_hit("d0", hashes) == 37
+    router.node_restarted("d0")
+    assert router.index.prefix_hit("d0", hashes) == 0 and router.routed_by_node["d0"] == 1
+    router.forget("d0")
+    assert "d0" not in router.routed_by_node and "d0" not in router.node_roles
