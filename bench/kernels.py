@@ -5,7 +5,7 @@
 Decode: batch x context, block sizes 16 and 128, blocks shuffled; dense SDPA reads
 contiguous K/V [batch, kv_heads, context, head_dim] with enable_gqa. Prefill: seqs x tokens
 with no cached prefix, against per-sequence causal SDPA. Reports the median of --iters runs
-after --warmup runs and writes JSON to --out.
+after --warmup runs (paged and SDPA alternating) and writes JSON to --out.
 """
 from __future__ import annotations
 
@@ -25,24 +25,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels import DecodeMetadata, PrefillMetadata, get_backend  # noqa: E402
 
 
-def _median_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
+def _median_ms(fns, device: torch.device, warmup: int, iters: int) -> list[float]:
+    """Median wall time of each fn in ms; runs alternate so a shared machine's load hits
+    every fn alike."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     for _ in range(warmup):
-        fn()
+        for fn in fns:
+            fn()
     sync()
-    times = []
+    times = [[] for _ in fns]
     for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        for fn, t in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            t.append(time.perf_counter() - t0)
+    return [statistics.median(t) * 1e3 for t in times]
 
 
 def bench_decode(backend, args, block_size: int, device: torch.device) -> dict:
-    batch, ctx, heads, kv_heads, dim = args.batch, args.context, args.heads, args.kv_heads, args.head_dim
+    batch, ctx = args.batch, args.context
+    heads, kv_heads, dim = args.heads, args.kv_heads, args.head_dim
     dtype = getattr(torch, args.dtype)
     blocks_per_seq = -(-ctx // block_size)
     num_blocks = batch * blocks_per_seq
@@ -64,8 +69,7 @@ def bench_decode(backend, args, block_size: int, device: torch.device) -> dict:
     dense = lambda: F.scaled_dot_product_attention(  # noqa: E731
         q4, k_dense, v_dense, scale=scale, enable_gqa=True)
     err = (paged().float() - dense().view(batch, heads, dim).float()).abs().max().item()
-    paged_ms = _median_ms(paged, device, args.warmup, args.iters)
-    dense_ms = _median_ms(dense, device, args.warmup, args.iters)
+    paged_ms, dense_ms = _median_ms([paged, dense], device, args.warmup, args.iters)
     kv_bytes = 2 * k_dense.numel() * k_dense.element_size()
     return dict(block_size=block_size, paged_ms=paged_ms, sdpa_ms=dense_ms,
                 ratio=paged_ms / dense_ms, max_abs_err=err,
@@ -73,7 +77,8 @@ def bench_decode(backend, args, block_size: int, device: torch.device) -> dict:
 
 
 def bench_prefill(backend, args, device: torch.device) -> dict:
-    seqs, tokens, heads, kv_heads, dim = args.prefill_seqs, args.prefill_tokens, args.heads, args.kv_heads, args.head_dim
+    seqs, tokens = args.prefill_seqs, args.prefill_tokens
+    heads, kv_heads, dim = args.heads, args.kv_heads, args.head_dim
     dtype = getattr(torch, args.dtype)
     block_size = 128
     total = seqs * tokens
@@ -96,8 +101,7 @@ def bench_prefill(backend, args, device: torch.device) -> dict:
         v = value.view(seqs, tokens, kv_heads, dim).transpose(1, 2)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
 
-    paged_ms = _median_ms(paged, device, args.warmup, args.iters)
-    dense_ms = _median_ms(dense, device, args.warmup, args.iters)
+    paged_ms, dense_ms = _median_ms([paged, dense], device, args.warmup, args.iters)
     return dict(seqs=seqs, tokens=tokens, paged_ms=paged_ms, sdpa_ms=dense_ms, ratio=paged_ms / dense_ms)
 
 
@@ -127,6 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = dict(backend=backend.name, device=str(device), dtype=args.dtype,
                   torch=torch.__version__, threads=torch.get_num_threads(),
                   machine=platform.processor() or platform.machine(),
+                  load_avg_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
                   shape=dict(batch=args.batch, context=args.context, heads=args.heads,
                              kv_heads=args.kv_heads, head_dim=args.head_dim),
                   decode=decode, prefill=prefill)

@@ -36,9 +36,10 @@ class RefBackend(Backend):
 
     def prefill(self, query, key, value, k_cache, v_cache, meta: PrefillMetadata,
                 scale: float) -> torch.Tensor:
-        """Per-sequence 4-D SDPA (the CPU flash kernel needs 4-D); a sequence with a cached
-        prefix reads its context from the caches with a bottom-right causal mask. SDPA accumulates softmax in float32 for
-        reduced-precision inputs on every device."""
+        """Per-sequence 4-D SDPA (the CPU flash kernel needs 4-D; its softmax accumulates
+        in float32 for bf16/fp16, as do the CUDA kernels). A sequence without a cached prefix
+        attends over key/value directly; one with a prefix reads its context from the
+        caches under a bottom-right causal mask."""
         out = torch.empty_like(query)
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
         start = 0
@@ -74,7 +75,7 @@ class RefBackend(Backend):
         block_tables = meta.block_tables[:, :max_blocks]
         block_bytes = block_size * num_kv_heads * head_dim * 4
         cols = max(1, TILE_BYTES // block_bytes)
-        rows = max(1, TILE_BYTES // (min(cols, max_blocks) * block_bytes))
+        rows = max(1, TILE_BYTES // (max(1, min(cols, max_blocks)) * block_bytes))
         if rows >= num_seqs:
             out = _attend(q, k_cache, v_cache, block_tables, meta.seq_lens, cols)
         else:

@@ -29,11 +29,12 @@ _LOCK = threading.Lock()
 
 def register_backend(name: str, module_path: str, class_name: str) -> None:
     """Make `name` resolve to module_path.class_name (a Backend subclass); replaces an
-    existing entry and drops its cached instances."""
+    existing entry. Clears the instance cache, so later calls build fresh instances."""
+    if name == "auto":
+        raise ValueError("kernel backend name 'auto' is reserved; pick another name")
     with _LOCK:
         _REGISTRY[name] = (module_path, class_name)
-        for key in [k for k in _INSTANCES if k[0] == name]:
-            del _INSTANCES[key]
+        _INSTANCES.clear()
 
 
 def available_backends() -> list[str]:
@@ -54,17 +55,22 @@ def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> Backe
                          f"{', '.join(available_backends())} (argument or ${ENV_VAR})")
     device_str = str(device)
     with _LOCK:
-        if name == "auto":
-            device_type = device_str.split(":")[0]
-            name = device_type if device_type in ("npu", "cuda") else "ref"
-            try:
-                return _instance(name, device_str)
-            except RuntimeError as exc:
-                if name == "ref":
-                    raise
-                logger.warning("kernel backend %r unavailable, using 'ref': %s", name, exc)
-                name = "ref"
-        return _instance(name, device_str)
+        if name != "auto":
+            return _instance(name, device_str)
+        if ("auto", device_str) not in _INSTANCES:
+            _INSTANCES["auto", device_str] = _auto(device_str)
+        return _INSTANCES["auto", device_str]
+
+
+def _auto(device_str: str) -> Backend:
+    device_type = device_str.split(":")[0]
+    if device_type not in ("npu", "cuda"):
+        return _instance("ref", device_str)
+    try:
+        return _instance(device_type, device_str)
+    except RuntimeError as exc:
+        logger.warning("kernel backend %r unavailable, using 'ref': %s", device_type, exc)
+        return _instance("ref", device_str)
 
 
 def _instance(name: str, device_str: str) -> Backend:

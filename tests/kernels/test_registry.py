@@ -1,6 +1,7 @@
 """Backend selection: auto by device, the env override, errors, plug-ins, lazy imports."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +47,7 @@ def test_forced_npu_without_torch_npu_is_a_runtime_error(monkeypatch):
         registry.get_backend("npu", "cpu")
 
 
-def test_auto_falls_back_to_ref_when_the_device_backend_cannot_load(monkeypatch):
+def test_auto_falls_back_to_ref_when_the_device_backend_cannot_load():
     registry.register_backend("npu", "kernels.no_such_module", "NpuBackend")
     assert registry.get_backend("auto", "npu:0").name == "ref"
 
@@ -60,11 +61,13 @@ def test_plugin_registration():
     registry.register_backend("not_backend", "kernels.rope", "rope_inv_freq")
     with pytest.raises(RuntimeError, match="not a Backend"):
         registry.get_backend("not_backend")
+    with pytest.raises(ValueError, match="reserved"):
+        registry.register_backend("auto", "kernels.ref", "RefBackend")
 
 
 def test_import_is_lazy():
     code = ("import sys, kernels; kernels.get_backend('auto', 'cpu'); "
             "bad = [m for m in ('torch_npu', 'flash_attn', 'kernels.npu', 'kernels.cuda') "
             "if m in sys.modules]; assert not bad, bad")
-    env = {k: v for k, v in __import__("os").environ.items() if k != registry.ENV_VAR}
+    env = {k: v for k, v in os.environ.items() if k != registry.ENV_VAR}
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, timeout=60)
