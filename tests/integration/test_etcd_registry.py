@@ -1,0 +1,278 @@
+"""common/cluster over a real etcd (tests/etcd_server.py): membership, member view, admin
+store and leader election, including etcd dying and coming back on the same data dir."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+pytest.importorskip("aetcd")
+
+from common.cluster import ChangeKind, StoreUnavailableError  # noqa: E402
+from common.cluster.etcd import EtcdCluster, EtcdConfig  # noqa: E402
+from tests.etcd_server import etcd_server  # noqa: E402,F401  (fixture)
+
+TTL = 2
+NODES = [("prefill", "prefill-0"), ("prefill", "prefill-1"), ("decode", "decode-0"), ("decode", "decode-1")]
+pytestmark = pytest.mark.timeout(60)
+
+
+def config(server, cluster="test") -> EtcdConfig:
+    return EtcdConfig(endpoint=server.endpoint, cluster=cluster, timeout_s=1.0, retry_max_s=0.5)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """One event loop for the module: grpc.aio completions that arrive after a test's
+    client closed must not land on a closed loop (aetcd leaves keepalive streams behind)."""
+    loop = asyncio.new_event_loop()
+    loop.errors = []
+    loop.set_exception_handler(lambda _, context: loop.errors.append(context))
+    yield loop
+    loop.run_until_complete(asyncio.sleep(0.2))
+    loop.close()
+
+
+@pytest.fixture
+def run(loop):
+    """run(scenario) runs the coroutine function on the module loop and fails the test on
+    any unhandled exception in a background task."""
+    def run_scenario(scenario):
+        loop.errors.clear()
+        result = loop.run_until_complete(asyncio.wait_for(scenario(), 45))
+        loop.run_until_complete(asyncio.sleep(0.05))
+        assert not loop.errors, loop.errors
+        return result
+    return run_scenario
+
+
+async def wait_until(predicate, timeout_s: float, what: str) -> float:
+    """Seconds until predicate() holds; fails the test after timeout_s."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"not within {timeout_s}s: {what}")
+        await asyncio.sleep(0.01)
+    return time.monotonic() - start
+
+
+async def start_nodes(cluster, nodes=NODES):
+    members = []
+    for role, node_id in nodes:
+        member = cluster.membership()
+        await member.start(role, node_id, node_id.encode(), ttl_s=TTL)
+        members.append(member)
+    return members
+
+
+def expected(nodes=NODES, **values) -> dict:
+    return {(r, n): values.get(n.replace("-", "_"), n.encode()) for r, n in nodes}
+
+
+def test_members_register_update_and_leave(etcd_server, run):
+    async def scenario():
+        async with EtcdCluster(config(etcd_server)) as cluster:
+            changes = []
+            view = cluster.member_view(on_change=changes.append)
+            await view.start()
+            start = time.monotonic()
+            members = await start_nodes(cluster)
+            await wait_until(lambda: view.members() == expected(), 1.0, "4 members in the view")
+            assert time.monotonic() - start < 1.0
+            assert [(c.kind, c.node_id) for c in changes] == [(ChangeKind.ADDED, n) for _, n in NODES]
+
+            assert await members[2].update(b"busy")
+            await wait_until(lambda: view.members()[("decode", "decode-0")] == b"busy", 1.0, "update")
+            assert changes[-1].kind == ChangeKind.UPDATED and changes[-1].value == b"busy"
+
+            await members[0].close()      # revokes: gone at once, not after the TTL
+            await wait_until(lambda: ("prefill", "prefill-0") not in view.members(), 0.5, "close")
+            assert (changes[-1].kind, changes[-1].node_id, changes[-1].value) == \
+                (ChangeKind.REMOVED, "prefill-0", b"prefill-0")
+            for member in members[1:]:
+                await member.close()
+            await wait_until(lambda: not view.members(), 0.5, "empty view")
+            assert (view.num_lists, view.num_watches) == (1, 1)
+            await view.close()
+    run(scenario)
+
+
+def test_dead_member_disappears_within_ttl(etcd_server, run):
+    async def scenario():
+        async with EtcdCluster(config(etcd_server)) as cluster:
+            view = cluster.member_view()
+            await view.start()
+            members = await start_nodes(cluster)
+            await wait_until(lambda: len(view.members()) == 4, 1.0, "4 members")
+            await members[3].abandon()    # the process died: no refresh, no revoke
+            took = await wait_until(lambda: ("decode", "decode-1") not in view.members(),
+                                    TTL + 1.0, "dead member removed")
+            print(f"dead member removed after {took:.2f}s (ttl {TTL}s)")
+            assert view.members() == expected(NODES[:3])
+            for member in members[:3]:
+                await member.close()
+            await view.close()
+    run(scenario)
+
+
+def test_member_registers_again_after_losing_its_lease(etcd_server, run):
+    async def scenario():
+        async with EtcdCluster(config(etcd_server)) as cluster, \
+                EtcdCluster(config(etcd_server)) as other:
+            changes = []
+            view = cluster.member_view(on_change=changes.append)
+            await view.start()
+            [member] = await start_nodes(cluster, NODES[:1])
+            await other.client.revoke_lease(member.lease_id)   # as if it expired meanwhile
+            took = await wait_until(lambda: member.num_registrations == 2 and len(view.members()) == 1,
+                                    TTL / 3 + 1.0, "registered again")
+            print(f"registered again after {took:.2f}s")
+            assert [c.kind for c in changes] == [ChangeKind.ADDED, ChangeKind.REMOVED, ChangeKind.ADDED]
+            await member.close()
+            await view.close()
+    run(scenario)
+
+
+def test_etcd_restart_keeps_view_and_recovers(etcd_server, run):
+    async def scenario():
+        async with EtcdCluster(config(etcd_server)) as cluster:
+            view = cluster.member_view()
+            await view.start()
+            members = await start_nodes(cluster)
+            admin = cluster.admin_store()
+            await admin.put("policy", b"least_load")
+            election = cluster.election()
+            await election.campaign("meta-0", ttl_s=TTL)
+            assert election.is_leader
+            await wait_until(lambda: len(view.members()) == 4, 1.0, "4 members")
+
+            etcd_server.stop()
+            down_since = time.monotonic()
+            while time.monotonic() - down_since < 6.0:     # served unchanged, nothing raises
+                assert view.members() == expected()
+                await asyncio.sleep(0.25)
+            assert not await members[0].update(b"updated while down")
+            with pytest.raises(StoreUnavailableError):
+                await admin.get("policy")
+            assert not election.is_leader                   # lease unconfirmed for > TTL
+
+            etcd_server.start()
+            restarted = time.monotonic()
+            want = expected(prefill_0=b"updated while down")
+            took = await wait_until(lambda: view.members() == want, TTL, "view after restart")
+            print(f"view current {took:.2f}s after the restart")
+            assert await admin.get("policy") == b"least_load"
+            await election.wait_leader(TTL)
+            assert election.is_leader and await election.leader() == "meta-0"
+            print(f"leader again {time.monotonic() - restarted:.2f}s after the restart")
+
+            [late] = await start_nodes(cluster, [("decode", "decode-9")])
+            await wait_until(lambda: ("decode", "decode-9") in view.members(), 1.0, "new member")
+            assert view.num_lists == 1 and view.num_watches >= 2     # re-watched, not re-listed
+            await asyncio.sleep(TTL + 0.5)                           # every lease kept alive again
+            assert view.members() == {**want, ("decode", "decode-9"): b"decode-9"}
+            assert all(not m._task.done() for m in members) and not view._task.done()
+            for member in members + [late]:
+                await member.close()
+            await election.resign()
+            await view.close()
+    run(scenario)
+
+
+def test_start_while_etcd_is_down(etcd_server, run):
+    etcd_server.stop()
+
+    async def scenario():
+        async with EtcdCluster(config(etcd_server)) as cluster:
+            view = cluster.member_view()
+            await view.start()
+            [member] = await start_nodes(cluster, NODES[:1])
+            election = cluster.election()
+            await election.campaign("meta-0", ttl_s=TTL)
+            assert view.members() == {} and not member.registered and not election.is_leader
+            etcd_server.start()
+            took = await wait_until(lambda: view.members() == expected(NODES[:1]), TTL, "view filled")
+            print(f"registered and seen {took:.2f}s after etcd came up")
+            assert await election.wait_leader(TTL)
+            await member.close()
+            await election.resign()
+            await view.close()
+    run(scenario)
+
+
+def test_compacted_revision_lists_again(etcd_server, run):
+    async def scenario():
+        async with EtcdCluster(config(etcd_server)) as cluster:
+            view = cluster.member_view()
+            await view.start()
+            members = await start_nodes(cluster, NODES[:2])
+            await wait_until(lambda: len(view.members()) == 2, 1.0, "2 members")
+            admin = cluster.admin_store()
+            for i in range(5):             # revisions the view never sees (not under nodes/)
+                await admin.put(f"scratch/{i}", b"x")
+            status = await cluster.client.get(b"/pdmesh/test/admin/scratch/4")
+            await cluster.client.compact(status.mod_revision)
+            assert view.revision < status.mod_revision
+            etcd_server.stop()
+            await asyncio.sleep(0.3)
+            etcd_server.start()
+            await wait_until(lambda: view.num_lists == 2, TTL, "re-listed after compaction")
+            assert view.members() == expected(NODES[:2])
+            [late] = await start_nodes(cluster, [("decode", "decode-9")])
+            await wait_until(lambda: len(view.members()) == 3, 1.0, "watch resumed")
+            for member in members + [late]:
+                await member.close()
+            await view.close()
+    run(scenario)
+
+
+def test_admin_store_survives_a_new_client(etcd_server, run):
+    async def scenario():
+        async with EtcdCluster(config(etcd_server)) as cluster:
+            admin = cluster.admin_store()
+            await admin.put("policy", b"cache_aware")
+            await admin.put("drained/decode-0", b"")
+            await admin.put("drained/decode-1", b"")
+            assert await admin.delete("drained/decode-1")
+            assert not await admin.delete("drained/decode-1")
+            with pytest.raises(ValueError):
+                await admin.put("/abs", b"")
+        async with EtcdCluster(config(etcd_server)) as fresh:
+            admin = fresh.admin_store()
+            assert await admin.get("policy") == b"cache_aware"
+            assert await admin.get("missing") is None
+            assert await admin.list("drained/") == {"drained/decode-0": b""}
+            assert await admin.list() == {"drained/decode-0": b"", "policy": b"cache_aware"}
+        async with EtcdCluster(config(etcd_server, cluster="other")) as stranger:
+            assert await stranger.admin_store().list() == {}
+    run(scenario)
+
+
+def test_leader_election_failover(etcd_server, run):
+    async def scenario():
+        async with EtcdCluster(config(etcd_server)) as ca, EtcdCluster(config(etcd_server)) as cb, \
+                EtcdCluster(config(etcd_server)) as cc:
+            seen_b = []
+            a, b, c = ca.election(), cb.election(on_change=seen_b.append), cc.election()
+            await a.campaign("meta-a", ttl_s=TTL)
+            await b.campaign("meta-b", ttl_s=TTL)
+            assert a.is_leader and not b.is_leader
+            assert await a.leader() == await b.leader() == "meta-a"
+            await asyncio.sleep(TTL * 1.2)          # keepalives hold the lead past one TTL
+            assert a.is_leader and not b.is_leader
+
+            await a.abandon()                       # the leader dies
+            took = await wait_until(lambda: b.is_leader, TTL + 0.8, "standby leads")
+            print(f"standby led {took:.2f}s after the leader's last keepalive task ended (ttl {TTL}s)")
+            assert not a.is_leader and await b.leader() == "meta-b" and seen_b == [True]
+
+            await c.campaign("meta-c", ttl_s=TTL)
+            assert not c.is_leader
+            await b.resign()                        # revoke: the next standby leads at once
+            took = await wait_until(lambda: c.is_leader, 0.5, "next standby leads after resign")
+            print(f"after resign: {took:.3f}s")
+            assert seen_b == [True, False] and await c.leader() == "meta-c"
+            await c.resign()
+            assert await c.leader() is None
+    run(scenario)
