@@ -20,13 +20,14 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -e '.[test,mooncake]'
 	touch $(STAMP)
 
-# Debian packages: etcd (membership tests start their own) and libibverbs1 (Mooncake).
+# Debian packages: etcd (membership tests start their own); libibverbs1, libnuma1 and
+# libcurl4, which Mooncake's engine links.
 # apt-get runs only as root and only for what is missing; silent when all is present.
 sysdeps:
 	@missing=""; \
 	command -v etcd >/dev/null 2>&1 || missing="etcd-server etcd-client"; \
-	{ ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null; } | grep -q libibverbs.so.1 \
-		|| missing="$$missing libibverbs1"; \
+	for pkg in libibverbs1 libnuma1 libcurl4; do \
+		dpkg -s $$pkg >/dev/null 2>&1 || missing="$$missing $$pkg"; done; \
 	[ -n "$$missing" ] || exit 0; \
 	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
 		echo "sysdeps: missing $$missing (install as root; tests needing them skip)"; exit 0; fi; \
@@ -45,8 +46,14 @@ run: install
 generate: install
 	$(PY) -m services.cli generate --model $(MODEL)
 
+# The whole suite, then the engine suite again on the NPU kernel backend through the
+# torch_npu emulator (CPU tensors, block size 128).
+ENGINE_TESTS := tests/unit/test_hf_equality.py tests/unit/test_engine_consistency.py \
+                tests/unit/test_engine_validation.py
+
 test: install
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+	PDMESH_KERNEL_BACKEND=npu $(PY) -m pytest $(ENGINE_TESTS) $(PYTEST_ARGS)
 
 bench: install
 	$(PY) bench/offline.py
