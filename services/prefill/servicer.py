@@ -32,6 +32,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
     def __init__(self, node: EngineNode):
         self.node = node
         self.inflight: dict[str, KVPusher] = {}
+        self._releases: set[asyncio.Task] = set()
 
     async def Prefill(self, request, context):
         rid, prompt = request.request_id, list(request.prompt_token_ids)
@@ -71,13 +72,20 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             if not finished:
                 await asyncio.shield(pusher.stop())
             self.inflight.pop(rid, None)
-            await asyncio.shield(self.node.engine.release(rid))
+            self._release_later(rid)
         timing = common_pb2.PrefillTiming(remote=True, 
             queue_ms=out.queue_s * 1e3, compute_ms=(computed - start - out.queue_s) * 1e3,
             transfer_ms=(done - computed) * 1e3)
         return engine_pb2.PrefillResponse(first_token_id=out.new_token_ids[0],
                                           num_cached_tokens=out.num_cached_tokens,
                                           timing=timing, bytes_written=nbytes)
+
+    def _release_later(self, request_id: str) -> None:
+        """Free the held blocks off the reply's critical path; the task is kept referenced
+        until it is done."""
+        task = asyncio.get_running_loop().create_task(self.node.engine.release(request_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def CancelPrefill(self, request, context):
         pusher = self.inflight.get(request.request_id)
