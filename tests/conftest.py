@@ -74,6 +74,10 @@ def hf_saved_model(models_dir, tiny_model):
                 "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 256}, **common)
             cls = tf.LlamaForCausalLM
+        elif kind == "llama-linear-rope":
+            cfg = tf.LlamaConfig(num_key_value_heads=4, rope_scaling={"rope_type": "linear", "factor": 4.0},
+                                 **common)
+            cls = tf.LlamaForCausalLM
         elif kind == "qwen2-tied":
             cfg = tf.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common)
             cls = tf.Qwen2ForCausalLM

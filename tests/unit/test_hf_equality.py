@@ -75,7 +75,8 @@ def test_tiny_maker_models_match_transformers(arch, tiny_model, llm_factory):
     run_equality(tiny_model(arch), llm_factory)
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-tied", "qwen3", "llama3-rope", "mistral"])
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-tied", "qwen3", "llama3-rope",
+                                  "llama-linear-rope", "mistral"])
 def test_save_pretrained_models_match_transformers(kind, hf_saved_model, llm_factory):
     run_equality(hf_saved_model(kind), llm_factory)
 
