@@ -144,6 +144,7 @@ class MeshConfig:
     gateway: GatewayConfig = GatewayConfig()
     nodes: tuple[NodeConfig, ...] = ()
     transfer: TransferConfig = TransferConfig()
+    etcd_endpoint: str = ""             # "host:port": membership and admin state in etcd
 
     def engine_config(self) -> EngineConfig:
         args = {"model_id": self.resolved_model_id, **self.engine}
@@ -177,7 +178,7 @@ def mesh_config_from_dict(raw: dict[str, Any], base_dir: str = ".") -> MeshConfi
     """Build a MeshConfig; relative model paths are taken from base_dir."""
     from pathlib import Path
     known = {"model", "model_id", "tiny_arch", "cluster", "engine", "meta_server", "gateway",
-             "nodes", "transfer"}
+             "nodes", "transfer", "etcd_endpoint"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ValueError(f"unknown top-level field(s) {unknown}; allowed: {sorted(known)}")
@@ -192,7 +193,8 @@ def mesh_config_from_dict(raw: dict[str, Any], base_dir: str = ".") -> MeshConfi
         cluster=raw.get("cluster", "local"), engine=dict(raw.get("engine") or {}),
         meta=_section(MetaConfig, raw.get("meta_server"), "meta_server"),
         gateway=_section(GatewayConfig, raw.get("gateway"), "gateway"),
-        nodes=nodes, transfer=_section(TransferConfig, raw.get("transfer"), "transfer"))
+        nodes=nodes, transfer=_section(TransferConfig, raw.get("transfer"), "transfer"),
+        etcd_endpoint=str(raw.get("etcd_endpoint", "")))
 
 
 def load_mesh_config(path: str) -> MeshConfig:

@@ -53,8 +53,15 @@ async def _serve(args) -> None:
     if args.role == "meta-server":
         from services.meta_server.server import create_server
         meta = mesh.meta if args.port is None else dataclasses.replace(mesh.meta, port=args.port)
-        server, _ = await create_server(meta)
-        stop = server.stop
+        etcd = None
+        if mesh.etcd_endpoint:
+            from common.cluster.etcd import EtcdConfig
+            etcd = EtcdConfig(endpoint=mesh.etcd_endpoint, cluster=mesh.cluster)
+        server, _ = await create_server(meta, etcd=etcd)
+
+        async def stop(grace):
+            await server.stop(grace)
+            await server.close_extras()
     elif args.role == "gateway":
         from services.gateway.server import create_server
         server, _ = await create_server(mesh, args.port)

@@ -51,6 +51,7 @@ class EngineNode:
         self.address = ""
         self._membership: asyncio.Task | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._etcd = self._etcd_membership = None
         self._meta: grpc.aio.Channel | None = None
 
     def node_info(self) -> common_pb2.NodeInfo:
@@ -85,7 +86,24 @@ class EngineNode:
     def start(self, address: str) -> None:
         self.address = address
         self._meta = grpc_util.channel(self.mesh.meta.address)
-        self._membership = asyncio.get_running_loop().create_task(self._membership_loop())
+        loop = asyncio.get_running_loop()
+        if self.mesh.etcd_endpoint:
+            self._membership = loop.create_task(self._etcd_membership_loop())
+        else:
+            self._membership = loop.create_task(self._membership_loop())
+
+    async def _etcd_membership_loop(self) -> None:
+        """NodeInfo on an etcd lease (refreshed by the Membership), load every TTL/3."""
+        from common.cluster.etcd import EtcdCluster, EtcdConfig
+        self._etcd = EtcdCluster(EtcdConfig(endpoint=self.mesh.etcd_endpoint, cluster=self.mesh.cluster))
+        self._etcd_membership = self._etcd.membership()
+        ttl = self.mesh.meta.ttl_seconds
+        await self._etcd_membership.start(self.node.role, self.node.node_id,
+                                          self.node_info().SerializeToString(), ttl_s=ttl)
+        log.info("%s registered in etcd at %s", self.node.node_id, self.mesh.etcd_endpoint)
+        while True:
+            await asyncio.sleep(ttl / 3)
+            await self._etcd_membership.update(self.node_info().SerializeToString())
 
     async def _membership_loop(self) -> None:
         stub = meta_pb2_grpc.MetaServerStub(self._meta)
@@ -112,7 +130,11 @@ class EngineNode:
             await asyncio.sleep(ttl / 3)
 
     async def close(self) -> None:
-        if self._membership is not None:
+        if self._etcd is not None:
+            self._membership.cancel()
+            await self._etcd_membership.close()
+            await self._etcd.close()
+        elif self._membership is not None:
             self._membership.cancel()
             try:
                 stub = meta_pb2_grpc.MetaServerStub(self._meta)

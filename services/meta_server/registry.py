@@ -79,6 +79,14 @@ class EmbeddedRegistry:
     def deregister(self, node_id: str) -> bool:
         return self._members.pop(node_id, None) is not None
 
+    def mark_down(self, node_id: str) -> bool:
+        """An external source (the node's etcd lease) says the member is gone."""
+        member = self._members.get(node_id)
+        if member is None or member.down_since is not None:
+            return False
+        member.down_since = self.clock()
+        return True
+
     remove = deregister
 
     def expire(self) -> list[str]:
@@ -89,7 +97,8 @@ class EmbeddedRegistry:
             if m.down_since is None and now - m.last_seen > m.ttl_s:
                 m.down_since = now
                 newly_down.append(m.node_id)
-            elif m.down_since is not None and now - m.down_since > self.down_retention_ttls * m.ttl_s:
+            elif m.down_since is not None and now - m.down_since > self.down_retention_ttls * min(
+                    m.ttl_s, self.default_ttl_s):
                 del self._members[m.node_id]
         return newly_down
 

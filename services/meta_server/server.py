@@ -32,11 +32,24 @@ SERVICE_NAMES = [SERVICES["MetaServer"].full_name, SERVICES["MetaAdmin"].full_na
 
 
 async def create_server(cfg: MetaConfig, port: int | None = None,
-                        admin_state: AdminState | None = None):
+                        admin_state: AdminState | None = None, etcd=None):
+    """etcd: an EtcdConfig; membership then comes from etcd and the admin state lives
+    there. Call `await server.close_extras()` after stopping."""
+    cluster = None
+    if etcd is not None:
+        from common.cluster.etcd import EtcdCluster
+        from services.meta_server.admin_state import StoreAdminState
+        cluster = EtcdCluster(etcd)
+        admin_state = admin_state or StoreAdminState(cluster.admin_store(), cfg.policy)
     admin = admin_state or InMemoryAdminState(cfg.policy)
     await admin.load()
     control = MetaControl(EmbeddedRegistry(default_ttl_s=cfg.ttl_seconds),
                           Router(cfg.local_prefill_max_tokens, cfg.prefill_queue_threshold), admin)
+    members = None
+    if cluster is not None:
+        from services.meta_server.etcd_members import EtcdMembers
+        members = EtcdMembers(cluster, control)
+        await members.start()
     server = grpc_util.new_server()
     meta_pb2_grpc.add_MetaServerServicer_to_server(MetaServicer(control), server)
     meta_pb2_grpc.add_MetaAdminServicer_to_server(MetaAdminServicer(control), server)
@@ -45,6 +58,14 @@ async def create_server(cfg: MetaConfig, port: int | None = None,
     await server.start()
     await grpc_util.mark_serving(health, SERVICE_NAMES)
     server.control = control
+
+    async def close_extras() -> None:
+        if members is not None:
+            await members.close()
+        if cluster is not None:
+            await cluster.close()
+
+    server.close_extras = close_extras
     log.info("meta-server serving at %s:%d (policy %s, ttl %.1fs)", cfg.host, bound, admin.policy(),
              cfg.ttl_seconds)
     return server, bound

@@ -15,8 +15,8 @@ from services.launcher import MeshProcesses
 ENGINE = {"num_blocks": 512, "max_num_seqs": 32, "max_model_len": 2048}
 
 
-def mesh_dict(model_dir, nodes, transfer="mooncake", **meta) -> dict:
-    return {"model": str(model_dir), "engine": dict(ENGINE),
+def mesh_dict(model_dir, nodes, transfer="mooncake", top=None, **meta) -> dict:
+    return {**(top or {}), "model": str(model_dir), "engine": dict(ENGINE),
             "meta_server": {"port": 0, "ttl_seconds": 2.0, **meta},
             "gateway": {"port": 0}, "transfer": {"backend": transfer},
             "nodes": [{"role": role, "node_id": node_id} for role, node_id in nodes]}
@@ -29,9 +29,10 @@ def start_mesh(tmp_path_factory):
     started: list[MeshProcesses] = []
 
     def start(model_dir, nodes=(("prefill", "prefill-0"), ("decode", "decode-0")),
-              transfer="mooncake", **meta) -> MeshProcesses:
+              transfer="mooncake", top=None, **meta) -> MeshProcesses:
+        """top: extra top-level config fields (e.g. etcd_endpoint)."""
         root = tmp_path_factory.mktemp("mesh")
-        raw = mesh_dict(model_dir, nodes, transfer, **meta)
+        raw = mesh_dict(model_dir, nodes, transfer, top, **meta)
         path = root / "mesh.yaml"
         path.write_text(yaml.safe_dump(raw))
         mesh = MeshProcesses(str(path), mesh_config_from_dict(raw), root / "logs", quiet=True)
