@@ -89,6 +89,7 @@ class MetaConfig:
     policy: str = "least_load"
     local_prefill_max_tokens: int = 0   # prompts shorter than this prefill on the decode node
     prefill_queue_threshold: int = 0    # > 0: prefill locally while every prefill node has more waiting
+    standbys: int = 0                   # extra meta-servers (`pdmesh up`); need etcd_endpoint
     advertise_host: str = ""            # "" = host
 
     def __post_init__(self) -> None:
@@ -104,6 +105,7 @@ class MetaConfig:
 
 @dataclass(frozen=True)
 class GatewayConfig:
+    meta_addresses: tuple[str, ...] = ()   # every meta-server, to follow the leader; () = meta_server
     host: str = "127.0.0.1"
     port: int = 50050
     request_timeout_s: float = 600.0

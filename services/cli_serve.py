@@ -28,10 +28,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _apply_overrides(mesh, args):
+    """--meta HOST:PORT[,HOST:PORT...]: the first is the meta-server; all of them are the
+    ones the gateway follows."""
     if args.meta:
-        host, _, port = args.meta.rpartition(":")
-        meta = dataclasses.replace(mesh.meta, host=host, port=int(port), advertise_host="")
-        mesh = dataclasses.replace(mesh, meta=meta)
+        addresses = [a.strip() for a in args.meta.split(",") if a.strip()]
+        host, _, port = addresses[0].rpartition(":")
+        mesh = dataclasses.replace(mesh, meta=dataclasses.replace(
+            mesh.meta, host=host, port=int(port), advertise_host=""))
+        if len(addresses) > 1:
+            mesh = dataclasses.replace(mesh, gateway=dataclasses.replace(
+                mesh.gateway, meta_addresses=tuple(addresses)))
     return mesh
 
 

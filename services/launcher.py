@@ -78,6 +78,13 @@ class MeshProcesses:
         self.meta_address = f"{meta_host}:{meta_port}"
         self.services["meta-server"] = Service("meta-server", "meta-server", meta_host, meta_port,
                                                [], self.log_dir / "meta-server.log")
+        self.meta_addresses = [self.meta_address]
+        for i in range(1, m.meta.standbys + 1):
+            port = free_port(m.meta.host)
+            name = f"meta-server-{i}"
+            self.services[name] = Service(name, "meta-server", meta_host, port, [],
+                                          self.log_dir / f"{name}.log")
+            self.meta_addresses.append(f"{meta_host}:{port}")
         for node in m.nodes:
             port = node.port or free_port(node.host)
             self.services[node.node_id] = Service(node.node_id, node.role, node.advertised_host, port,
@@ -98,7 +105,7 @@ class MeshProcesses:
 
     def _spawn(self, svc: Service) -> None:
         cmd = [sys.executable, "-m", "services.cli", "serve", svc.role, "--config", self.config_path,
-               "--port", str(svc.port), "--meta", self.meta_address, *svc.args]
+               "--port", str(svc.port), "--meta", ",".join(self.meta_addresses), *svc.args]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         log = open(svc.log_path, "ab")
         svc.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -123,8 +130,11 @@ class MeshProcesses:
         self._check_ports()
         self._plan()
         try:
-            order = ["meta-server", *[n.node_id for n in self.mesh.nodes]]
-            for name in order:
+            standbys = [f"meta-server-{i}" for i in range(1, self.mesh.meta.standbys + 1)]
+            order = ["meta-server", *standbys, *[n.node_id for n in self.mesh.nodes]]
+            self._spawn(self.services["meta-server"])  # first, so it normally leads
+            wait_healthy(self.meta_address, timeout_s, self.services["meta-server"].process)
+            for name in order[1:]:
                 self._spawn(self.services[name])
             for name in order:
                 svc = self.services[name]
@@ -144,6 +154,13 @@ class MeshProcesses:
     @property
     def gateway_address(self) -> str:
         return self.services["gateway"].address
+
+    def restart(self, name: str, timeout_s: float = 60.0) -> None:
+        """Start a stopped or killed service again with the same arguments."""
+        svc = self.services[name]
+        self._spawn(svc)
+        wait_healthy(svc.address, timeout_s, svc.process)
+        self._say(f"{svc.name:<12} {svc.role:<11} restarted at {svc.address} (pid {svc.process.pid})")
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.services[name].process

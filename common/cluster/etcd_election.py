@@ -50,6 +50,12 @@ class EtcdLeaderElection(LeaderElection):
     def is_leader(self) -> bool:
         return self._leading and time.monotonic() < self._lease_deadline
 
+    @property
+    def was_leader(self) -> bool:
+        """Led at the last contact with etcd. Stays True while etcd is unreachable (no
+        one else can take over then) until etcd says otherwise."""
+        return self._leading
+
     async def campaign(self, candidate_id: str, ttl_s: float = DEFAULT_TTL_S) -> None:
         if self._task is not None:
             raise RuntimeError(f"{self.candidate_id} is already campaigning")
@@ -159,10 +165,10 @@ class EtcdLeaderElection(LeaderElection):
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                if self._leading and not self.is_leader:
-                    self._set_leading(False)     # the lease may be gone; stop claiming it
+                # is_leader turns False by itself at the lease deadline; was_leader stays
+                # until etcd answers again (then _refresh or _try_acquire settles it).
                 delay = backoff.next()
-                if self._leading:
+                if self.is_leader:
                     delay = min(delay, max(0.01, self._lease_deadline - time.monotonic()))
                 retry_log.failure(e, delay)
                 await asyncio.sleep(delay)

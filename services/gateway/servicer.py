@@ -24,6 +24,7 @@ from common.model.tokenizer import Tokenizer
 from protos.pdmesh.v1 import (engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc, meta_pb2,
                               meta_pb2_grpc)
 from services import grpc_util
+from services.gateway.meta_client import MetaClient
 from services.convert import sampling_from_proto
 
 log = logging.getLogger("pdmesh.gateway")
@@ -39,11 +40,12 @@ def layout_key(kv) -> str:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, tokenizer: Tokenizer, model_id: str, vocab_size: int, max_model_len: int,
-                 meta_address: str, request_timeout_s: float):
+                 meta_addresses: list[str] | str, request_timeout_s: float):
         self.tokenizer, self.model_id = tokenizer, model_id
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
-        self.meta = grpc_util.channel(meta_address)
-        self.meta_stub = meta_pb2_grpc.MetaServerStub(self.meta)
+        if isinstance(meta_addresses, str):
+            meta_addresses = [meta_addresses]
+        self.meta = MetaClient(meta_addresses)
         self.request_timeout_s = request_timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._hash_args: tuple[int, str, str] | None = None   # block_size, model_id, layout
@@ -53,7 +55,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         block size and layout come from the first live node of our model; [] if none yet."""
         if self._hash_args is None:
             try:
-                members = await self.meta_stub.ListMembers(meta_pb2.ListMembersRequest(), timeout=2)
+                members = await self.meta.call("ListMembers", meta_pb2.ListMembersRequest(), timeout=2)
             except grpc.aio.AioRpcError:
                 return []
             for n in members.nodes:
@@ -109,7 +111,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         excluded: list[str] = []
         for attempt in range(MAX_ROUTE_ATTEMPTS):
             try:
-                route = await self.meta_stub.Route(meta_pb2.RouteRequest(
+                route = await self.meta.call("Route", meta_pb2.RouteRequest(
                     request_id=rid, model_id=self.model_id, num_prompt_tokens=len(ids),
                     block_hashes=hashes, exclude_node_ids=excluded), timeout=5)
             except grpc.aio.AioRpcError as e:

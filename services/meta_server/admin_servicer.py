@@ -29,17 +29,27 @@ async def _checked(context, awaitable):
 
 
 class MetaAdminServicer(meta_pb2_grpc.MetaAdminServicer):
+    """Reads are served by any meta-server; changes only by the leader (a standby's
+    cached admin state is refreshed when it takes over)."""
+
     def __init__(self, control: MetaControl):
         self.control = control
+
+    async def _leader_only(self, context) -> None:
+        reason = self.control.standby_reason()
+        if reason:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{reason}; send changes to the leader")
 
     async def ListNodes(self, request, context):
         return meta_pb2.ListNodesResponse(nodes=[node_status_proto(s) for s in self.control.list_nodes()])
 
     async def DrainNode(self, request, context):
+        await self._leader_only(context)
         status = await _checked(context, self.control.drain(request.node_id))
         return meta_pb2.DrainNodeResponse(node=node_status_proto(status))
 
     async def UndrainNode(self, request, context):
+        await self._leader_only(context)
         status = await _checked(context, self.control.undrain(request.node_id))
         reply = meta_pb2.UndrainNodeResponse()
         if status is not None:
@@ -47,6 +57,7 @@ class MetaAdminServicer(meta_pb2_grpc.MetaAdminServicer):
         return reply
 
     async def RemoveNode(self, request, context):
+        await self._leader_only(context)
         await _checked(context, self.control.remove(request.node_id))
         return meta_pb2.RemoveNodeResponse()
 
@@ -58,6 +69,7 @@ class MetaAdminServicer(meta_pb2_grpc.MetaAdminServicer):
         return self._policy_reply()
 
     async def SetPolicy(self, request, context):
+        await self._leader_only(context)
         await _checked(context, self.control.set_policy(request.policy))
         return self._policy_reply()
 

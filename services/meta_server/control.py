@@ -59,6 +59,17 @@ class MetaControl:
         self.registry, self.router, self.admin = registry, router, admin
 
     # ---- membership ---------------------------------------------------------------
+    def standby_reason(self) -> str | None:
+        """Why this meta-server must not route (a standby of an elected leader), or None."""
+        election = getattr(self, "election", None)
+        if election is None:
+            return None
+        if election.is_leader and not getattr(self, "leader_ready", True):
+            return f"meta-server {self.candidate_id} is taking over; retry"
+        if election.is_leader or election.was_leader:
+            return None  # leading, or led when etcd went away: keep routing meanwhile
+        return f"meta-server {self.candidate_id} is a standby; another meta-server leads"
+
     def register(self, info: common_pb2.NodeInfo, ttl_s: float) -> float:
         self.router.node_restarted(info.node_id)
         return self.registry.register(info, ttl_s)

@@ -58,8 +58,25 @@ async def create_server(cfg: MetaConfig, port: int | None = None,
     await server.start()
     await grpc_util.mark_serving(health, SERVICE_NAMES)
     server.control = control
+    if cluster is not None:
+        control.candidate_id = f"{cfg.advertise_host or cfg.host}:{bound}"
+
+        async def take_over() -> None:
+            await admin.load()  # what the previous leader stored (drained nodes, policy)
+            control.leader_ready = True
+
+        def on_leadership(leading: bool) -> None:
+            log.info("meta-server %s is %s", control.candidate_id, "the leader" if leading else "a standby")
+            if leading:
+                control.leader_ready = False
+                control.take_over_task = asyncio.get_running_loop().create_task(take_over())
+
+        control.election = cluster.election(on_change=on_leadership)
+        await control.election.campaign(control.candidate_id, ttl_s=cfg.ttl_seconds)
 
     async def close_extras() -> None:
+        if getattr(control, "election", None) is not None:
+            await control.election.resign()
         if members is not None:
             await members.close()
         if cluster is not None:

@@ -38,6 +38,9 @@ class MetaServicer(meta_pb2_grpc.MetaServerServicer):
         return meta_pb2.DeregisterResponse()
 
     async def Route(self, request, context):
+        standby = self.control.standby_reason()
+        if standby:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, standby)
         try:
             decision = self.control.route(route_request(request))
         except NoNodeError as e:

@@ -50,3 +50,39 @@ def test_etcd_outage_while_serving(tiny_model, start_mesh, tmp_path):
             time.sleep(0.1)
         assert_no_blocks_in_use(mesh)
         mesh.stop()
+
+
+def admin_call(address: str, method: str, request):
+    with grpc.insecure_channel(address) as ch:
+        return getattr(meta_pb2_grpc.MetaAdminStub(ch), method)(request, timeout=5)
+
+
+def test_leader_meta_server_killed(tiny_model, start_mesh, tmp_path):
+    with EtcdServer(tmp_path / "etcd") as etcd:
+        mesh = start_mesh(tiny_model("llama"), top={"etcd_endpoint": etcd.endpoint, "cluster": "failover"},
+                          nodes=[("decode", "decode-0"), ("decode", "decode-1")], ttl_seconds=2.0, standbys=1)
+        metas = {name: mesh.services[name].address for name in ("meta-server", "meta-server-1")}
+        leaders = []
+        for name, address in metas.items():
+            try:
+                admin_call(address, "SetPolicy", meta_pb2.SetPolicyRequest(policy="round_robin"))
+                leaders.append(name)
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "standby" in e.details()
+        assert len(leaders) == 1, leaders
+        leader = leaders[0]
+        admin_call(metas[leader], "DrainNode", meta_pb2.DrainNodeRequest(node_id="decode-1"))
+        before, _, _ = asyncio.run(stream(mesh.gateway_address, request([7, 8, 9], max_tokens=5)))
+        mesh.kill(leader)
+        time.sleep(2.0 + 1.0)
+        tokens, _, msgs = asyncio.run(stream(mesh.gateway_address, request([7, 8, 9], max_tokens=5)))
+        assert tokens == before and msgs[-1].finish_reason == "length"
+        standby = next(address for name, address in metas.items() if name != leader)
+        assert admin_call(standby, "GetPolicy", meta_pb2.GetPolicyRequest()).policy == "round_robin"
+        nodes = {n.info.node_id: n.state for n in
+                 admin_call(standby, "ListNodes", meta_pb2.ListNodesRequest()).nodes}
+        assert nodes == {"decode-0": "up", "decode-1": "draining"}
+        stats = admin_call(standby, "GetStats", meta_pb2.GetStatsRequest())
+        assert stats.num_routed == 1
+        assert [(n.node_id, n.num_routed) for n in stats.nodes] == [("decode-0", 1)]
+        mesh.stop()
