@@ -39,8 +39,9 @@ def services() -> dict:
 
 @pytest.fixture(scope="module")
 def parsed(services) -> dict:
-    """service name -> argparse.Namespace of its command."""
-    return {name: build_parser().parse_args(svc["command"]) for name, svc in services.items()}
+    """service name -> argparse.Namespace of its command, for the services of our image."""
+    return {name: build_parser().parse_args(svc["command"]) for name, svc in services.items()
+            if svc.get("image") == "pdmesh:cpu"}
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +114,14 @@ def test_docker_compose_validates():
     proc = subprocess.run(["docker-compose", "-f", str(COMPOSE), "config", "-q"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_etcd_service_is_what_the_mesh_points_at(services, parsed, mesh):
+    host, _, port = mesh.etcd_endpoint.rpartition(":")
+    assert host in services and host not in parsed, "etcd_endpoint names the etcd service"
+    env = dict(e.split("=", 1) for e in services[host]["environment"])
+    assert env["ETCD_LISTEN_CLIENT_URLS"].endswith(f":{port}")
+    assert env["ETCD_ADVERTISE_CLIENT_URLS"] == f"http://{host}:{port}"
+    for name, args in parsed.items():
+        if args.command == "serve" and args.role != "gateway":
+            assert host in services[name]["depends_on"], f"{name} starts after etcd"
