@@ -85,7 +85,7 @@ class MetaConfig:
 
     host: str = "127.0.0.1"
     port: int = 50051
-    ttl_seconds: float = 3.0
+    ttl_seconds: float = 5.0             # membership lease / heartbeat TTL; refreshed every TTL/3
     policy: str = "least_load"
     local_prefill_max_tokens: int = 0   # prompts shorter than this prefill on the decode node
     prefill_queue_threshold: int = 0    # > 0: prefill locally while every prefill node has more waiting
