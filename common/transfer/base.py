@@ -28,6 +28,21 @@ class Region:
     address: int
     length: int
 
+    @classmethod
+    def checked(cls, address: int, length: int) -> "Region":
+        """ValueError unless address > 0 and length > 0."""
+        if address <= 0 or length <= 0:
+            raise ValueError(f"region ({address:#x}, {length}) must have address > 0 and length > 0")
+        return cls(address, length)
+
+    def holds(self, address: int, length: int) -> bool:
+        return self.address <= address and address + length <= self.address + self.length
+
+
+def regions_hold(regions, address: int, length: int) -> bool:
+    """True if [address, address + length) lies inside one of the regions."""
+    return any(r.holds(address, length) for r in regions)
+
 
 class TransferEngine(ABC):
     name: str = "abstract"

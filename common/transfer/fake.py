@@ -13,7 +13,7 @@ import itertools
 import threading
 import time
 
-from common.transfer.base import Region, TransferEngine, TransferError
+from common.transfer.base import Region, TransferEngine, TransferError, regions_hold
 
 
 class FakeTransfer(TransferEngine):
@@ -39,9 +39,7 @@ class FakeTransfer(TransferEngine):
         return self._endpoint
 
     def register(self, address: int, length: int) -> Region:
-        if address <= 0 or length <= 0:
-            raise ValueError(f"region ({address:#x}, {length}) must have address > 0 and length > 0")
-        region = Region(address, length)
+        region = Region.checked(address, length)
         with self._lock:
             self._regions = self._regions + (region,)
         return region
@@ -61,8 +59,7 @@ class FakeTransfer(TransferEngine):
             self._failed_peers.discard(endpoint)
 
     def contains(self, address: int, length: int) -> bool:
-        return any(r.address <= address and address + length <= r.address + r.length
-                   for r in self._regions)
+        return regions_hold(self._regions, address, length)
 
     def write(self, peer: str, batch: list[tuple[int, int, int]]) -> int:
         with self._lock:

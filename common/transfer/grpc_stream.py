@@ -23,7 +23,7 @@ from concurrent import futures
 
 import grpc
 
-from common.transfer.base import Region, TransferEngine, TransferError
+from common.transfer.base import Region, TransferEngine, TransferError, regions_hold
 from protos.pdmesh.v1 import transfer_pb2
 
 METHOD = "/pdmesh.v1.KVTransfer/Write"
@@ -123,16 +123,13 @@ class GrpcStreamTransfer(TransferEngine):
         return self._endpoint
 
     def register(self, address: int, length: int) -> Region:
-        if address <= 0 or length <= 0:
-            raise ValueError(f"region ({address:#x}, {length}) must have address > 0 and length > 0")
-        region = Region(address, length)
+        region = Region.checked(address, length)
         with self._lock:
             self._regions = self._regions + (region,)
         return region
 
     def _contains(self, address: int, length: int) -> bool:
-        return any(r.address <= address and address + length <= r.address + r.length
-                   for r in self._regions)
+        return regions_hold(self._regions, address, length)
 
     def _serve_write(self, chunks, context) -> transfer_pb2.WriteAck:
         total = 0

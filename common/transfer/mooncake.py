@@ -72,12 +72,10 @@ class MooncakeTransfer(TransferEngine):
         return self._endpoint
 
     def register(self, address: int, length: int) -> Region:
-        if address <= 0 or length <= 0:
-            raise ValueError(f"region ({address:#x}, {length}) must have address > 0 and length > 0")
+        region = Region.checked(address, length)
         ret = self._engine.register_memory(address, length)
         if ret != 0:
             raise TransferError(f"mooncake register_memory({address:#x}, {length}) returned {ret}")
-        region = Region(address, length)
         self._regions.append(region)
         return region
 
