@@ -41,7 +41,7 @@ class _Tracker:
 class LLM:
     def __init__(self, model: str, **engine_args: Any):
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
-        self.tokenizer = Tokenizer.from_dir(model)
+        self.tokenizer = self.engine.tokenizer or Tokenizer.from_dir(model)  # raises naming the file
         self._ids = itertools.count()
 
     def _prompt_ids(self, prompt: PromptType, index: int) -> tuple[str | None, list[int]]:

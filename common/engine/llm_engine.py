@@ -31,6 +31,7 @@ from common.engine.sampler import compute_logprobs, sample
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.engine.sequence import Sequence, SequenceStatus
+from common.engine.validation import validate_request
 from common.model.config import load_model_config
 from common.model.llama import CausalLM
 from kernels import get_backend
@@ -100,7 +101,8 @@ class LLMEngine:
                                    config.max_num_batched_tokens, config.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size)
         self.generator = torch.Generator().manual_seed(config.seed)
-        self.eos_token_ids = set(mcfg.eos_token_ids) | set(self._tokenizer_eos(config.model))
+        self.tokenizer = self._load_tokenizer(config.model)
+        self.eos_token_ids = set(mcfg.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.vocab_size = mcfg.vocab_size
         self._arrivals = 0
         self._requests: dict[str, Sequence] = {}
@@ -110,30 +112,20 @@ class LLMEngine:
                  self.block_size, self.max_model_len, time.perf_counter() - start)
 
     @staticmethod
-    def _tokenizer_eos(model_dir: str) -> list[int]:
+    def _load_tokenizer(model_dir: str):
+        """The folder's tokenizer, or None when it has no tokenizer.json (ids-only use)."""
+        from common.model.tokenizer import Tokenizer
         try:
-            from common.model.tokenizer import Tokenizer
-            return list(Tokenizer.from_dir(model_dir).eos_token_ids)
+            return Tokenizer.from_dir(model_dir)
         except (FileNotFoundError, ValueError):
-            return []
+            return None
 
     # ---- requests -----------------------------------------------------------------
     def validate_request(self, request_id: str, prompt_token_ids: list[int],
                          params: SamplingParams) -> None:
         """ValueError naming the field and its allowed range. Pure: touches no state
         except the set of live request ids."""
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty (prompt_token_ids has 0 tokens)")
-        for i, t in enumerate(prompt_token_ids):
-            if not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt_token_ids[{i}]={t!r} is outside the vocabulary "
-                                 f"[0, {self.vocab_size})")
-        params.validate(self.vocab_size)
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt length ({len(prompt_token_ids)}) + max_tokens "
-                             f"({params.max_tokens}) = {total} must be <= max_model_len "
-                             f"({self.max_model_len})")
+        validate_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
         if request_id in self._requests or request_id in self._held:
             raise ValueError(f"request_id {request_id!r} is already in use")
 

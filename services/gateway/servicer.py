@@ -25,6 +25,7 @@ from protos.pdmesh.v1 import (engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_
                               meta_pb2_grpc)
 from services import grpc_util
 from services.gateway.meta_client import MetaClient
+from common.engine.validation import validate_request
 from services.convert import sampling_from_proto
 
 log = logging.getLogger("pdmesh.gateway")
@@ -89,16 +90,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def _validate(self, request) -> tuple[list[int], object]:
         self._check_model(request.model)
         ids = self._prompt_ids(request)
-        if not ids:
-            raise ValueError("prompt must not be empty (prompt_token_ids has 0 tokens)")
-        for i, t in enumerate(ids):
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt_token_ids[{i}]={t} is outside the vocabulary [0, {self.vocab_size})")
         params = sampling_from_proto(request.sampling)
-        params.validate(self.vocab_size)
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt length ({len(ids)}) + max_tokens ({params.max_tokens}) must be "
-                             f"<= max_model_len ({self.max_model_len})")
+        validate_request(ids, params, self.vocab_size, self.max_model_len)
         return ids, params
 
     async def Generate(self, request, context):

@@ -57,14 +57,18 @@ class ClusterStats:
 class MetaControl:
     def __init__(self, registry: EmbeddedRegistry, router: Router, admin: AdminState):
         self.registry, self.router, self.admin = registry, router, admin
+        self.election = None            # a LeaderElection when several meta-servers share etcd
+        self.candidate_id = ""
+        self.leader_ready = True        # False while a new leader reloads the admin state
+        self.take_over_task = None
 
     # ---- membership ---------------------------------------------------------------
     def standby_reason(self) -> str | None:
         """Why this meta-server must not route (a standby of an elected leader), or None."""
-        election = getattr(self, "election", None)
+        election = self.election
         if election is None:
             return None
-        if election.is_leader and not getattr(self, "leader_ready", True):
+        if election.is_leader and not self.leader_ready:
             return f"meta-server {self.candidate_id} is taking over; retry"
         if election.is_leader or election.was_leader:
             return None  # leading, or led when etcd went away: keep routing meanwhile

@@ -75,7 +75,7 @@ async def create_server(cfg: MetaConfig, port: int | None = None,
         await control.election.campaign(control.candidate_id, ttl_s=cfg.ttl_seconds)
 
     async def close_extras() -> None:
-        if getattr(control, "election", None) is not None:
+        if control.election is not None:
             await control.election.resign()
         if members is not None:
             await members.close()
