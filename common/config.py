@@ -134,6 +134,45 @@ class NodeConfig:
 
 
 @dataclass(frozen=True)
+class KVStoreConfig:
+    """The kv-store service (services/kv_store). Each key space (model x KV layout) gets a
+    pool of capacity_mb, at most max_spaces of them. Nodes and the meta-server dial
+    `address` (advertise_host when set, else host)."""
+
+    host: str = "127.0.0.1"
+    port: int = 50080
+    advertise_host: str = ""
+    capacity_mb: float = 512.0
+    max_spaces: int = 4
+    high_watermark: float = 0.9         # evict when used slots would pass this fraction ...
+    low_watermark: float = 0.7          # ... down to this one
+    reserve_ttl_s: float = 30.0         # an uncommitted put is dropped after this
+    pin_ttl_s: float = 10.0             # a get's pin ends after this unless released sooner
+    redis_url: str = ""                 # redis://HOST:PORT/DB: evicted blocks spill there
+    redis_ttl_s: float = 0.0            # expiry of spilled blocks in Redis (0 = none)
+    client_timeout_s: float = 2.0       # nodes give up on a store call after this (a miss)
+
+    def __post_init__(self) -> None:
+        if self.capacity_mb <= 0:
+            raise ValueError(f"kv_store.capacity_mb must be > 0, got {self.capacity_mb}")
+        if self.max_spaces < 1:
+            raise ValueError(f"kv_store.max_spaces must be >= 1, got {self.max_spaces}")
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ValueError("kv_store watermarks must satisfy 0 < low_watermark <= high_watermark <= 1, "
+                             f"got {self.low_watermark}, {self.high_watermark}")
+        for name in ("reserve_ttl_s", "pin_ttl_s", "client_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"kv_store.{name} must be > 0, got {getattr(self, name)}")
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"kv_store.redis_url must start with redis://, rediss:// or unix://, "
+                             f"got {self.redis_url!r}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.advertise_host or self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
 class MeshConfig:
     """A whole mesh (deploy/local.yaml). Every service reads the part it needs."""
 
@@ -147,6 +186,7 @@ class MeshConfig:
     nodes: tuple[NodeConfig, ...] = ()
     transfer: TransferConfig = TransferConfig()
     etcd_endpoint: str = ""             # "host:port": membership and admin state in etcd
+    kv_store: KVStoreConfig | None = None   # None: no kv-store in this mesh
 
     def engine_config(self) -> EngineConfig:
         args = {"model_id": self.resolved_model_id, **self.engine}
@@ -180,7 +220,7 @@ def mesh_config_from_dict(raw: dict[str, Any], base_dir: str = ".") -> MeshConfi
     """Build a MeshConfig; relative model paths are taken from base_dir."""
     from pathlib import Path
     known = {"model", "model_id", "tiny_arch", "cluster", "engine", "meta_server", "gateway",
-             "nodes", "transfer", "etcd_endpoint"}
+             "nodes", "transfer", "etcd_endpoint", "kv_store"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ValueError(f"unknown top-level field(s) {unknown}; allowed: {sorted(known)}")
@@ -196,7 +236,8 @@ def mesh_config_from_dict(raw: dict[str, Any], base_dir: str = ".") -> MeshConfi
         meta=_section(MetaConfig, raw.get("meta_server"), "meta_server"),
         gateway=_section(GatewayConfig, raw.get("gateway"), "gateway"),
         nodes=nodes, transfer=_section(TransferConfig, raw.get("transfer"), "transfer"),
-        etcd_endpoint=str(raw.get("etcd_endpoint", "")))
+        etcd_endpoint=str(raw.get("etcd_endpoint", "")),
+        kv_store=_section(KVStoreConfig, raw["kv_store"], "kv_store") if "kv_store" in raw else None)
 
 
 def load_mesh_config(path: str) -> MeshConfig:

@@ -22,6 +22,14 @@ def _pack(token_ids: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
+def layout_key(layout) -> str:
+    """The layout part of every block hash: what two KV caches must share for a block to
+    be valid in both. `layout` is anything with dtype, num_layers, num_kv_heads, head_dim
+    and block_size (common.transfer.layout.KVLayout or its proto)."""
+    return (f"{layout.dtype}:L{layout.num_layers}:H{layout.num_kv_heads}"
+            f":D{layout.head_dim}:B{layout.block_size}")
+
+
 def block_hash(parent: bytes | None, token_ids: Sequence[int], model_id: str = "",
                layout: str = "") -> bytes:
     """Hash of one full block given the hash of the block before it (None for the first)."""

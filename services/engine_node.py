@@ -21,14 +21,16 @@ from common.transfer.layout import KVLayout
 from common.transfer.registry import create_transfer
 from protos.pdmesh.v1 import common_pb2, engine_pb2, meta_pb2, meta_pb2_grpc
 from services import grpc_util
+from services.kv_store.client import KVStoreClient
 
 log = logging.getLogger("pdmesh.node")
 
 
-def transfer_options(mesh: MeshConfig, node: NodeConfig) -> dict:
-    """Backend keyword arguments; an empty transfer.hostname means the node's advertised host."""
+def transfer_options(mesh: MeshConfig, advertised_host: str) -> dict:
+    """Backend keyword arguments for a service advertised at advertised_host (an empty
+    transfer.hostname means that host)."""
     t = mesh.transfer
-    hostname = t.hostname or node.advertised_host
+    hostname = t.hostname or advertised_host
     if t.backend == "mooncake":
         return dict(hostname=hostname, protocol=t.protocol, metadata_server=t.metadata_server,
                     device_name=t.device_name)
@@ -42,12 +44,16 @@ class EngineNode:
         self.mesh, self.node = mesh, node
         self.llm_engine = LLMEngine(mesh.engine_config())
         self.engine = AsyncEngine(self.llm_engine)
-        self.transfer = create_transfer(mesh.transfer.backend, **transfer_options(mesh, node))
+        self.transfer = create_transfer(mesh.transfer.backend, **transfer_options(mesh, node.advertised_host))
         kv = self.llm_engine.kv_cache
         self.transfer.register(kv.data_ptr(), kv.numel() * kv.element_size())
         self.layout = KVLayout.of_tensor(kv)
         self.sender = KVSender(self.transfer, self.layout)
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{node.node_id}-kv")
+        self.kv_store: KVStoreClient | None = None
+        if mesh.kv_store is not None and node.role == "prefill":
+            self.kv_store = KVStoreClient(mesh.kv_store.address, self.llm_engine.model_id, self.layout,
+                                          self.sender, self.executor, mesh.kv_store.client_timeout_s)
         self.address = ""
         self._membership: asyncio.Task | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -144,6 +150,8 @@ class EngineNode:
             await self._meta.close()
         for ch in self._channels.values():
             await ch.close()
+        if self.kv_store is not None:
+            await self.kv_store.close()
         self.engine.shutdown()
         self.executor.shutdown(wait=True)
         self.transfer.close()

@@ -12,6 +12,10 @@ before the blocks are freed, so no write can land in a reused block.
 
 Disaggregated prefill: `prefill(...)` computes a prompt with its blocks held after the
 first token until `release(request_id)`; `on_computed` is called on the step thread.
+With `external=loader` the admitted request first waits in REMOTE_PREFILL while
+`loader.load(block_ids, num_cached_tokens)` fills leading blocks from elsewhere (the
+kv-store); it then computes only the rest (from scratch past the local hits when load
+raises). Cancel safety as for remote prefill: `loader.cancel()` is awaited first.
 
 Validation happens in the caller (ValueError before anything is queued). Adds and aborts
 are handed to the step thread through a command queue and applied between steps, so the
@@ -47,13 +51,23 @@ class RemotePrefill(Protocol):
         """Stop the prefill node writing; return once no write can land any more."""
 
 
+class ExternalKV(Protocol):
+    async def load(self, block_ids: list[int], num_cached_tokens: int) -> int:
+        """Fill the blocks past num_cached_tokens (the local prefix hit) with KV from
+        elsewhere; return how many leading prompt tokens hold KV now (whole blocks, at
+        least num_cached_tokens, less than the prompt). Raise to compute them here."""
+
+    async def cancel(self) -> None:
+        """Stop filling; return once nothing can land in the blocks any more."""
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine | EngineConfig):
         self.engine = engine if isinstance(engine, LLMEngine) else LLMEngine(engine)
         self._commands: deque[Callable[[], None]] = deque()
         self._wake = threading.Condition()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._remote: dict[str, RemotePrefill] = {}
+        self._remote: dict[str, RemotePrefill | ExternalKV] = {}
         self._remote_tasks: dict[str, asyncio.Task] = {}
         self.engine.scheduler.on_remote_admit = self._on_remote_admit
         self._stopped = False
@@ -91,6 +105,7 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, *, remote: RemotePrefill | None = None,
+                       external: ExternalKV | None = None,
                        **add_options: Any) -> AsyncIterator[StepOutput]:
         if self._error is not None:
             raise EngineDeadError(str(self._error))
@@ -100,12 +115,15 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (loop, queue)
-        if remote is not None:
-            self._remote[request_id] = remote
+        if remote is not None and external is not None:
+            raise ValueError("remote and external are exclusive")
+        handler = remote or external
+        if handler is not None:
+            self._remote[request_id] = handler
         finished = False
         try:
             await self._run_on_engine(lambda: self.engine.add_request(
-                request_id, prompt_token_ids, params, remote_prefill=remote is not None,
+                request_id, prompt_token_ids, params, remote_prefill=handler is not None,
                 **add_options))
             while True:
                 item = await queue.get()
@@ -119,9 +137,9 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             self._remote.pop(request_id, None)
             if not finished and self._error is None and not self._stopped:
-                await asyncio.shield(self._abort_safely(request_id, remote))
+                await asyncio.shield(self._abort_safely(request_id, handler))
 
-    async def _abort_safely(self, request_id: str, remote: RemotePrefill | None) -> None:
+    async def _abort_safely(self, request_id: str, remote: RemotePrefill | ExternalKV | None) -> None:
         task = self._remote_tasks.get(request_id)
         if task is not None and remote is not None:
             try:
@@ -132,10 +150,11 @@ class AsyncEngine:
         await self._run_on_engine(lambda: self.engine.abort(request_id))
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      on_computed: Callable[[Any, int, int], None] | None = None) -> StepOutput:
+                      on_computed: Callable[[Any, int, int], None] | None = None,
+                      external: ExternalKV | None = None) -> StepOutput:
         """Compute the prompt, sample the first token; the blocks stay held until
         release(request_id) (also when this raises after the first token)."""
-        async for out in self.generate(request_id, prompt_token_ids, params,
+        async for out in self.generate(request_id, prompt_token_ids, params, external=external,
                                        hold_blocks=True, on_computed=on_computed):
             if out.finished:
                 return out
@@ -155,10 +174,10 @@ class AsyncEngine:
         block_ids, cached = list(seq.block_ids), seq.num_computed_tokens
         entry[0].call_soon_threadsafe(self._start_remote, seq.request_id, remote, block_ids, cached)
 
-    def _start_remote(self, request_id: str, remote: RemotePrefill, block_ids: list[int],
-                      cached: int) -> None:
-        task = asyncio.get_running_loop().create_task(
-            self._remote_prefill(request_id, remote, block_ids, cached))
+    def _start_remote(self, request_id: str, remote: RemotePrefill | ExternalKV,
+                      block_ids: list[int], cached: int) -> None:
+        work = self._external_load if hasattr(remote, "load") else self._remote_prefill
+        task = asyncio.get_running_loop().create_task(work(request_id, remote, block_ids, cached))
         self._remote_tasks[request_id] = task
         task.add_done_callback(lambda _: self._remote_tasks.pop(request_id, None))
 
@@ -184,6 +203,29 @@ class AsyncEngine:
         entry = self._queues.get(request_id)
         if out is not None and entry is not None:
             entry[1].put_nowait(out)
+
+    async def _external_load(self, request_id: str, loader: ExternalKV, block_ids: list[int],
+                             cached: int) -> None:
+        try:
+            num_tokens = await loader.load(block_ids, cached)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("loading the KV of %s failed (%s); computing it here", request_id, e)
+            num_tokens = cached
+        if request_id not in self._remote:
+            return  # the caller left; _abort_safely frees the blocks
+
+        def commit() -> None:
+            if request_id not in self.engine.scheduler.remote:
+                return
+            try:
+                self.engine.commit_loaded(request_id, num_tokens)
+            except ValueError as e:
+                log.error("KV loaded for %s is unusable (%s); computing it here", request_id, e)
+                self.engine.commit_loaded(request_id, cached)
+
+        await self._run_on_engine(commit)
 
     async def abort(self, request_id: str) -> bool:
         """Abort and free the request's blocks; True if it was live."""

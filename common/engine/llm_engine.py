@@ -10,7 +10,9 @@ Disaggregation hooks:
   the KV, or fallback_local() to prefill here after all.
 - prefill node: add_request(hold_blocks=True, on_computed=cb): cb(seq, start, end) after
   each step that computed tokens [start, end); when finished the blocks stay held (the
-  KV is still being sent) until release().
+  KV is still being sent) until release(). With remote_prefill=True as well, admission
+  parks it like a decode node's (its blocks are filled from the kv-store meanwhile) and
+  commit_loaded(n) makes it compute the prompt from token n on.
 
 Not thread-safe: one thread calls step/add_request/abort (AsyncEngine owns that thread).
 """
@@ -32,8 +34,10 @@ from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.engine.sequence import Sequence, SequenceStatus
 from common.engine.validation import validate_request
+from common.hashing import layout_key
 from common.model.config import load_model_config
 from common.model.llama import CausalLM
+from common.transfer.layout import KVLayout
 from kernels import get_backend
 
 log = logging.getLogger("pdmesh.engine")
@@ -90,11 +94,10 @@ class LLMEngine:
         self.model.load_weights(config.model)
         self.model.to(self.device)
         self.model_id = config.model_id or Path(config.model).resolve().name
-        self.layout = (f"{str(self.dtype).removeprefix('torch.')}:L{mcfg.num_layers}"
-                       f":H{mcfg.num_kv_heads}:D{mcfg.head_dim}:B{self.block_size}")
         self.kv_cache = torch.zeros(mcfg.num_layers, 2, self.num_blocks, self.block_size,
                                     mcfg.num_kv_heads, mcfg.head_dim, dtype=self.dtype,
                                     device=self.device)
+        self.layout = layout_key(KVLayout.of_tensor(self.kv_cache))
         self.block_manager = BlockManager(self.num_blocks, self.block_size, self.model_id,
                                           self.layout, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
@@ -174,6 +177,20 @@ class LLMEngine:
             torch.empty(self.vocab_size).exponential_(generator=seq.generator)
         self.scheduler.add_running(seq)
         return self._append(seq, first_token, None)
+
+    def commit_loaded(self, request_id: str, num_tokens: int) -> None:
+        """A REMOTE_PREFILL sequence's blocks now hold the KV of its first num_tokens prompt
+        tokens (read from the kv-store into them): it prefills the rest here. num_tokens
+        counts whole blocks, at least what the sequence had computed, less than its length."""
+        seq = self.scheduler.remote.get(request_id)
+        if seq is None:
+            raise KeyError(f"request {request_id!r} is not waiting for its KV")
+        if (num_tokens % self.block_size or not seq.num_computed_tokens <= num_tokens < len(seq)):
+            raise ValueError(f"num_tokens {num_tokens} must be a multiple of {self.block_size} in "
+                             f"[{seq.num_computed_tokens}, {len(seq)})")
+        seq.num_computed_tokens = seq.num_cached_tokens = num_tokens
+        self.block_manager.cache_full_blocks(seq)
+        self.scheduler.add_running(seq)
 
     def fallback_local(self, request_id: str) -> bool:
         """Prefill a REMOTE_PREFILL sequence here after all (its blocks are kept)."""

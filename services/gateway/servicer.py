@@ -18,7 +18,7 @@ import uuid
 import grpc
 
 from common.engine.stop_strings import StopStringMatcher
-from common.hashing import hash_block_chain
+from common.hashing import hash_block_chain, layout_key
 from common.model.detokenizer import IncrementalDetokenizer
 from common.model.tokenizer import Tokenizer
 from protos.pdmesh.v1 import (engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc, meta_pb2,
@@ -32,11 +32,6 @@ log = logging.getLogger("pdmesh.gateway")
 PASS_THROUGH = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                 grpc.StatusCode.UNAVAILABLE)
 MAX_ROUTE_ATTEMPTS = 3
-
-
-def layout_key(kv) -> str:
-    """The engine's block-hash layout string (LLMEngine.layout) rebuilt from a node's KVLayout."""
-    return f"{kv.dtype}:L{kv.num_layers}:H{kv.num_kv_heads}:D{kv.head_dim}:B{kv.block_size}"
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):

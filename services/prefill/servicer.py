@@ -2,10 +2,14 @@
 
 Lifecycle of a Prefill RPC on this node:
   validate (prompt, sampling, destination layout and block count)
-  -> queued in the engine (batched with other prefills, chunked)
-  -> after each chunk, its complete blocks are written into the destination
+  -> admitted: blocks allocated, own prefix-cache hits first, then (with a kv-store) the
+     store's further hits read into them (services/prefill/store_prefix.py)
+  -> queued in the engine (batched with other prefills, chunked) for the rest
+  -> after each chunk, its complete blocks are written into the destination (blocks
+     hit or read from the store go with the first chunk)
   -> first token sampled -> wait for every write's acknowledgement -> reply
-  -> blocks released (they stay in the prefix cache).
+  -> in the background: new full blocks put to the kv-store, then the blocks released
+     (they stay in the prefix cache).
 CancelPrefill (or the caller cancelling) stops new writes and returns only once the
 writes in flight are done, so the decode node can reuse its blocks safely.
 """
@@ -24,6 +28,7 @@ from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.convert import sampling_from_proto
 from services.engine_node import EngineNode
 from services.prefill.kv_push import KVPusher
+from services.prefill.store_prefix import StorePrefix
 
 log = logging.getLogger("pdmesh.prefill")
 
@@ -31,7 +36,7 @@ log = logging.getLogger("pdmesh.prefill")
 class PrefillServicer(engine_pb2_grpc.PrefillServicer):
     def __init__(self, node: EngineNode):
         self.node = node
-        self.inflight: dict[str, KVPusher] = {}
+        self.inflight: dict[str, tuple[KVPusher, StorePrefix | None]] = {}
         self._releases: set[asyncio.Task] = set()
 
     async def Prefill(self, request, context):
@@ -55,11 +60,15 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         pusher = KVPusher(self.node.sender, self.node.executor, dest.transfer_endpoint, dst_layout,
                           list(dest.block_ids), dest.num_cached_tokens, engine.block_size, len(prompt))
-        self.inflight[rid] = pusher
+        store = None
+        if self.node.kv_store is not None:
+            store = StorePrefix(self.node.kv_store, prompt, engine.model_id, engine.layout)
+        self.inflight[rid] = (pusher, store)
         start = time.perf_counter()
         finished = False
         try:
-            out = await self.node.engine.prefill(rid, prompt, params, on_computed=pusher.on_computed)
+            out = await self.node.engine.prefill(rid, prompt, params, on_computed=pusher.on_computed,
+                                                 external=store)
             computed = time.perf_counter()
             nbytes = await pusher.finish()
             done = time.perf_counter()
@@ -72,7 +81,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             if not finished:
                 await asyncio.shield(pusher.stop())
             self.inflight.pop(rid, None)
-            self._release_later(rid)
+            self._release_later(rid, store, finished)
         timing = common_pb2.PrefillTiming(remote=True, 
             queue_ms=out.queue_s * 1e3, compute_ms=(computed - start - out.queue_s) * 1e3,
             transfer_ms=(done - computed) * 1e3)
@@ -80,18 +89,28 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
                                           num_cached_tokens=out.num_cached_tokens,
                                           timing=timing, bytes_written=nbytes)
 
-    def _release_later(self, request_id: str) -> None:
-        """Free the held blocks off the reply's critical path; the task is kept referenced
-        until it is done."""
-        task = asyncio.get_running_loop().create_task(self.node.engine.release(request_id))
+    def _release_later(self, request_id: str, store: StorePrefix | None, finished: bool) -> None:
+        """Off the reply's critical path: put the blocks to the kv-store (when the prefill
+        finished), then free them. The task is kept referenced until it is done."""
+        task = asyncio.get_running_loop().create_task(self._put_and_release(request_id, store, finished))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
+    async def _put_and_release(self, request_id: str, store: StorePrefix | None, finished: bool) -> None:
+        try:
+            if store is not None:
+                await store.finish(put=finished)
+        finally:
+            await self.node.engine.release(request_id)
+
     async def CancelPrefill(self, request, context):
-        pusher = self.inflight.get(request.request_id)
-        if pusher is None:
+        entry = self.inflight.get(request.request_id)
+        if entry is None:
             return engine_pb2.CancelPrefillResponse(was_running=False)
+        pusher, store = entry
         await pusher.stop()
+        if store is not None:
+            await store.cancel()  # no store read may land in blocks the abort frees
         await self.node.engine.abort(request.request_id)
         return engine_pb2.CancelPrefillResponse(was_running=True)
 

@@ -23,9 +23,9 @@ def test_transfer_hostname_empty_means_the_node_name():
            "nodes": [{"role": "prefill", "node_id": "p", "host": "0.0.0.0", "advertise_host": "prefill"},
                      {"role": "decode", "node_id": "d", "host": "decode"}]}
     mesh = mesh_config_from_dict(raw)
-    assert transfer_options(mesh, mesh.node("p"))["hostname"] == "prefill"
-    assert transfer_options(mesh, mesh.node("d"))["hostname"] == "decode"
+    assert transfer_options(mesh, mesh.node("p").advertised_host)["hostname"] == "prefill"
+    assert transfer_options(mesh, mesh.node("d").advertised_host)["hostname"] == "decode"
     grpc_mesh = mesh_config_from_dict({**raw, "transfer": {"backend": "grpc", "hostname": ""}})
-    assert transfer_options(grpc_mesh, grpc_mesh.node("p")) == {"host": "prefill"}
+    assert transfer_options(grpc_mesh, grpc_mesh.node("p").advertised_host) == {"host": "prefill"}
     fixed = mesh_config_from_dict({**raw, "transfer": {"backend": "mooncake", "hostname": "10.1.1.1"}})
-    assert transfer_options(fixed, fixed.node("p"))["hostname"] == "10.1.1.1"
+    assert transfer_options(fixed, fixed.node("p").advertised_host)["hostname"] == "10.1.1.1"

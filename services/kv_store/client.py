@@ -1,0 +1,153 @@
+"""A node's handle on the kv-store: control by gRPC, bytes by the node's transfer engine
+between its KV cache and the store's pool.
+
+    get:  pin(hashes, token_ids) -> Pinned | None ; fetch(pinned, from, to, block_ids) ; release
+    put:  put(block_ids, hashes, token_ids) -> blocks written (reserve, write, commit)
+
+The store is an optimisation, never a dependency: every failure (store down, timeout,
+transfer error, another transfer backend) is logged once per outage and reads as a miss
+or a skipped put. Each call is bounded by kv_store.client_timeout_s.
+
+Thread-safety: event loop only; the transfers run on the node's executor.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import grpc
+
+from common.transfer.base import TransferError
+from common.transfer.kv_writes import KVSender
+from common.transfer.layout import KVLayout
+from protos.pdmesh.v1 import kv_store_pb2, kv_store_pb2_grpc
+from services import grpc_util
+
+log = logging.getLogger("pdmesh.kv_store.client")
+
+
+@dataclass
+class Pinned:
+    pin_id: str
+    slot_ids: list[int]
+    endpoint: str
+    layout: KVLayout
+
+
+class KVStoreClient:
+    def __init__(self, address: str, model_id: str, local_layout: KVLayout, sender: KVSender,
+                 executor: Executor, timeout_s: float = 2.0):
+        self.address, self.timeout_s = address, timeout_s
+        self.sender, self.executor = sender, executor
+        self.space = kv_store_pb2.KeySpace(model_id=model_id, layout=local_layout.to_proto())
+        self.block_size = local_layout.block_size
+        self._channel = grpc_util.channel(address)
+        self.stub = kv_store_pb2_grpc.KVStoreStub(self._channel)
+        self.available = True
+        self.num_loaded_blocks = self.num_put_blocks = 0
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        if isinstance(exc, grpc.aio.AioRpcError):
+            exc = f"{exc.code().name}: {exc.details()}"
+        if self.available:
+            log.warning("kv-store at %s: %s failed (%s); continuing without it", self.address, what, exc)
+        self.available = False
+
+    def _ok(self) -> None:
+        if not self.available:
+            log.warning("kv-store at %s is back", self.address)
+        self.available = True
+
+    def _region_usable(self, region: kv_store_pb2.StoreRegion) -> KVLayout | None:
+        if region.transfer_backend != self.sender.engine.name:
+            self._failed("transfer", f"the store uses transfer backend {region.transfer_backend!r}, "
+                                     f"this node {self.sender.engine.name!r}")
+            return None
+        return KVLayout.from_proto(region.layout)
+
+    # ---- get ----------------------------------------------------------------------
+    async def pin(self, hashes: Sequence[bytes], token_ids: Sequence[int]) -> Pinned | None:
+        """Pin the store's leading hits of the chain; None when it holds none or fails."""
+        if not hashes:
+            return None
+        try:
+            reply = await self.stub.PinGet(kv_store_pb2.PinGetRequest(
+                space=self.space, block_hashes=hashes, token_ids=token_ids), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            self._failed("PinGet", e)
+            return None
+        self._ok()
+        if not reply.pin_id:
+            return None
+        layout = self._region_usable(reply.region)
+        if layout is None:
+            await self.release(reply.pin_id)
+            return None
+        return Pinned(reply.pin_id, list(reply.slot_ids), reply.region.transfer_endpoint, layout)
+
+    async def fetch(self, pinned: Pinned, first: int, last: int, block_ids: Sequence[int]) -> bool:
+        """Read pinned slots [first, last) into the local blocks block_ids; False on failure."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.sender.fetch_blocks, pinned.endpoint, pinned.layout,
+                pinned.slot_ids[first:last], list(block_ids))
+        except (TransferError, ValueError) as e:
+            self._failed("read", e)
+            return False
+        self.num_loaded_blocks += last - first
+        return True
+
+    async def release(self, pin_id: str) -> None:
+        try:
+            await self.stub.Release(kv_store_pb2.ReleaseRequest(pin_id=pin_id), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            self._failed("Release", e)  # the pin's lease ends it anyway
+
+    # ---- put ----------------------------------------------------------------------
+    async def put(self, block_ids: Sequence[int], hashes: Sequence[bytes], token_ids: Sequence[int]) -> int:
+        """Store the local blocks (one per hash, token_ids block_size each) the store does not
+        hold yet; returns how many were written and committed (0 on failure)."""
+        if not hashes:
+            return 0
+        try:
+            reply = await self.stub.ReservePut(kv_store_pb2.ReservePutRequest(
+                space=self.space, block_hashes=hashes, token_ids=token_ids), timeout=self.timeout_s)
+            if not reply.put_id:
+                self._ok()
+                return 0
+            layout = self._region_usable(reply.region)
+            if layout is None:
+                return 0  # the reservation expires
+            src = [block_ids[i] for i in reply.indices]
+            try:
+                await asyncio.get_running_loop().run_in_executor(
+                    self.executor, self.sender.send_blocks, reply.region.transfer_endpoint, layout,
+                    src, list(reply.slot_ids))
+            except (TransferError, ValueError) as e:
+                self._failed("write", e)
+                return 0
+            done = await self.stub.CommitPut(kv_store_pb2.CommitPutRequest(put_id=reply.put_id),
+                                             timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            self._failed("put", e)
+            return 0
+        self._ok()
+        self.num_put_blocks += done.num_committed
+        return done.num_committed
+
+    async def lookup(self, hashes: Sequence[bytes]) -> int:
+        """Leading hits (memory or Redis); 0 on failure."""
+        try:
+            reply = await self.stub.Lookup(kv_store_pb2.LookupRequest(
+                space=self.space, block_hashes=hashes), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            self._failed("Lookup", e)
+            return 0
+        self._ok()
+        return reply.num_hits
+
+    async def close(self) -> None:
+        await self._channel.close()

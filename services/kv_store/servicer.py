@@ -1,0 +1,81 @@
+"""KVStore servicer: protobuf at the edge, services/kv_store/store.py inside.
+
+Status codes: INVALID_ARGUMENT (bad space, hashes or token ids: the message names the
+field), RESOURCE_EXHAUSTED (kv_store.max_spaces key spaces exist), NOT_FOUND (CommitPut
+of an unknown or expired put_id).
+"""
+from __future__ import annotations
+
+import grpc
+
+from common.transfer.layout import KVLayout
+from protos.pdmesh.v1 import kv_store_pb2, kv_store_pb2_grpc
+from services.kv_store.store import KVStore, Space, SpacesExhausted
+
+
+class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
+    def __init__(self, store: KVStore):
+        self.store = store
+
+    @staticmethod
+    async def _space_args(space, context) -> tuple[str, KVLayout]:
+        try:
+            return space.model_id, KVLayout.from_proto(space.layout)
+        except (ValueError, TypeError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"space.layout: {e}")
+
+    def _region(self, space: Space) -> kv_store_pb2.StoreRegion:
+        return kv_store_pb2.StoreRegion(transfer_backend=self.store.transfer.name,
+                                        transfer_endpoint=self.store.transfer.endpoint,
+                                        layout=space.memory.layout.to_proto())
+
+    async def Lookup(self, request, context):
+        model_id, layout = await self._space_args(request.space, context)
+        try:
+            total, in_memory = await self.store.lookup(model_id, layout, list(request.block_hashes))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return kv_store_pb2.LookupResponse(num_hits=total, num_memory_hits=in_memory)
+
+    async def ReservePut(self, request, context):
+        model_id, layout = await self._space_args(request.space, context)
+        try:
+            put_id, indices, slots, space = self.store.reserve_put(
+                model_id, layout, list(request.block_hashes), list(request.token_ids))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except SpacesExhausted as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        return kv_store_pb2.ReservePutResponse(put_id=put_id, indices=indices, slot_ids=slots,
+                                               region=self._region(space),
+                                               lease_seconds=self.store.cfg.reserve_ttl_s)
+
+    async def CommitPut(self, request, context):
+        try:
+            num = self.store.commit_put(request.put_id)
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"put_id {request.put_id!r} is unknown or its lease expired")
+        return kv_store_pb2.CommitPutResponse(num_committed=num)
+
+    async def PinGet(self, request, context):
+        model_id, layout = await self._space_args(request.space, context)
+        try:
+            pin_id, slots, promoted, space = await self.store.pin_get(
+                model_id, layout, list(request.block_hashes), list(request.token_ids))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except SpacesExhausted as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        reply = kv_store_pb2.PinGetResponse(pin_id=pin_id, slot_ids=slots, num_promoted=promoted,
+                                            lease_seconds=self.store.cfg.pin_ttl_s)
+        if space is not None:
+            reply.region.CopyFrom(self._region(space))
+        return reply
+
+    async def Release(self, request, context):
+        self.store.release(request.pin_id)
+        return kv_store_pb2.ReleaseResponse()
+
+    async def Stats(self, request, context):
+        return kv_store_pb2.StatsResponse(**self.store.stats())

@@ -1,0 +1,235 @@
+"""The kv-store's state: one pool per key space (model id x KV layout), each a SlotIndex
+(bookkeeping) over a SlotMemory (registered bytes), plus the optional Redis tier.
+
+    put:  reserve_put -> (the client writes the slots) -> commit_put
+    get:  pin_get (memory hits, then Redis hits promoted into slots) -> (the client
+          reads the slots) -> release
+    expire() drops stale reservations and pins; the server calls it periodically.
+
+Evicted blocks are copied out of their slots at once and spilled to Redis in the
+background (their slots are reused by the same call). Errors: ValueError for bad
+arguments (naming the field), KeyError for unknown put/pin ids, SpacesExhausted when a
+new key space would pass max_spaces.
+
+Not thread-safe: the store's event loop owns it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Callable
+
+from common.config import KVStoreConfig
+from common.hashing import DIGEST_SIZE, layout_key
+from common.transfer.base import TransferEngine
+from common.transfer.layout import KVLayout
+from services.kv_store.redis_tier import RedisTier, decode_block, encode_block
+from services.kv_store.slot_index import Entry, SlotIndex
+from services.kv_store.slot_memory import SlotMemory
+
+log = logging.getLogger("pdmesh.kv_store")
+
+MAX_BLOCKS_PER_CALL = 8192
+
+
+class SpacesExhausted(RuntimeError):
+    """A new key space would pass kv_store.max_spaces."""
+
+
+@dataclass
+class Space:
+    model_id: str
+    key: str
+    index: SlotIndex
+    memory: SlotMemory
+
+
+class KVStore:
+    def __init__(self, cfg: KVStoreConfig, transfer: TransferEngine, redis: RedisTier | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.cfg, self.transfer, self.redis, self.clock = cfg, transfer, redis, clock
+        self.spaces: dict[tuple[str, str], Space] = {}
+        self._by_id_prefix: dict[str, Space] = {}
+        self._spills: set[asyncio.Task] = set()
+        self.num_hits = self.num_misses = self.bytes_in = self.bytes_out = 0
+
+    # ---- key spaces ----------------------------------------------------------------
+    def _space(self, model_id: str, layout: KVLayout, create: bool) -> Space | None:
+        if not model_id:
+            raise ValueError("space.model_id must not be empty")
+        key = (model_id, layout_key(layout))
+        space = self.spaces.get(key)
+        if space is not None or not create:
+            return space
+        if len(self.spaces) >= self.cfg.max_spaces:
+            raise SpacesExhausted(f"the store holds {len(self.spaces)} key spaces (kv_store.max_spaces); "
+                                  f"{model_id} {key[1]} is not one of them")
+        per_slot = layout.num_layers * 2 * layout.block_bytes
+        num_slots = int(self.cfg.capacity_mb * (1 << 20)) // per_slot
+        if num_slots < 1:
+            raise ValueError(f"kv_store.capacity_mb {self.cfg.capacity_mb} holds no block of {per_slot} bytes")
+        prefix = f"s{len(self.spaces) + 1}-"
+        index = SlotIndex(num_slots, self.cfg.high_watermark, self.cfg.low_watermark,
+                          self.cfg.reserve_ttl_s, self.cfg.pin_ttl_s, self.clock, id_prefix=prefix)
+        space = Space(model_id, key[1], index, SlotMemory(layout, num_slots, self.transfer))
+        self.spaces[key] = space
+        self._by_id_prefix[prefix] = space
+        log.info("key space %s %s: %d slots of %d bytes", model_id, key[1], num_slots, per_slot)
+        return space
+
+    def _space_of(self, lease_id: str) -> Space:
+        space = self._by_id_prefix.get(lease_id.split("-", 1)[0] + "-")
+        if space is None:
+            raise KeyError(lease_id)
+        return space
+
+    @staticmethod
+    def _check(hashes: Sequence[bytes], token_ids: Sequence[int] | None, block_size: int) -> None:
+        if len(hashes) > MAX_BLOCKS_PER_CALL:
+            raise ValueError(f"block_hashes has {len(hashes)} entries; at most {MAX_BLOCKS_PER_CALL}")
+        bad = [i for i, h in enumerate(hashes) if len(h) != DIGEST_SIZE]
+        if bad:
+            raise ValueError(f"block_hashes[{bad[0]}] has {len(hashes[bad[0]])} bytes; "
+                             f"every hash has {DIGEST_SIZE} (common.hashing)")
+        if token_ids is not None and len(token_ids) != len(hashes) * block_size:
+            raise ValueError(f"token_ids has {len(token_ids)} ids; {len(hashes)} blocks of "
+                             f"{block_size} need {len(hashes) * block_size}")
+
+    @staticmethod
+    def _blocks(token_ids: Sequence[int], block_size: int) -> list[tuple[int, ...]]:
+        return [tuple(token_ids[i:i + block_size]) for i in range(0, len(token_ids), block_size)]
+
+    def _redis_keys(self, space: Space, hashes: Sequence[bytes]) -> list[str]:
+        return [self.redis.key(space.model_id, space.key, h) for h in hashes]
+
+    # ---- operations ------------------------------------------------------------------
+    async def lookup(self, model_id: str, layout: KVLayout, hashes: Sequence[bytes]) -> tuple[int, int]:
+        """(leading hits in memory or Redis, leading hits in memory)."""
+        self._check(hashes, None, layout.block_size)
+        space = self._space(model_id, layout, create=False)
+        in_memory = space.index.lookup(hashes) if space is not None else 0
+        total = in_memory
+        if self.redis is not None and space is not None and in_memory < len(hashes):
+            for found in await self.redis.exists(self._redis_keys(space, hashes[in_memory:])):
+                if not found:
+                    break
+                total += 1
+        return total, in_memory
+
+    def reserve_put(self, model_id: str, layout: KVLayout, hashes: Sequence[bytes],
+                    token_ids: Sequence[int]) -> tuple[str, list[int], list[int], Space]:
+        """(put_id, indices into hashes, slots, space) for the blocks not held yet."""
+        self._check(hashes, token_ids, layout.block_size)
+        space = self._space(model_id, layout, create=True)
+        put_id, placed, evicted = space.index.reserve(hashes, self._blocks(token_ids, layout.block_size))
+        self._spill(space, evicted)
+        return put_id, [i for i, _ in placed], [s for _, s in placed], space
+
+    def commit_put(self, put_id: str) -> int:
+        """KeyError when unknown or expired."""
+        space = self._space_of(put_id)
+        committed = space.index.commit(put_id)
+        self.bytes_in += len(committed) * space.memory.bytes_per_slot
+        return len(committed)
+
+    async def pin_get(self, model_id: str, layout: KVLayout, hashes: Sequence[bytes],
+                      token_ids: Sequence[int]) -> tuple[str, list[int], int, Space | None]:
+        """(pin_id or "", slots of the leading hits, how many were promoted from Redis, space)."""
+        self._check(hashes, token_ids, layout.block_size)
+        space = self._space(model_id, layout, create=self.redis is not None)
+        if space is None:
+            self.num_misses += len(hashes)
+            return "", [], 0, None
+        tokens = self._blocks(token_ids, layout.block_size)
+        pin_id, slots = space.index.pin(hashes, tokens)
+        promoted = 0
+        if self.redis is not None and len(slots) < len(hashes):
+            pin_id = pin_id or space.index.new_pin()
+            promoted = await self._promote(space, pin_id, hashes[len(slots):], tokens[len(slots):], slots)
+        if not slots and pin_id:
+            space.index.release(pin_id)
+            pin_id = ""
+        self.num_hits += len(slots)
+        self.num_misses += len(hashes) - len(slots)
+        self.bytes_out += len(slots) * space.memory.bytes_per_slot
+        return pin_id, slots, promoted, space
+
+    async def _promote(self, space: Space, pin_id: str, hashes: Sequence[bytes],
+                       tokens: Sequence[tuple[int, ...]], slots: list[int]) -> int:
+        """Bring the leading Redis hits into slots, pinned under pin_id; appends to slots."""
+        values = await self.redis.get_many(self._redis_keys(space, hashes))
+        if pin_id not in space.index.pins:
+            return 0  # expired while Redis answered
+        promoted = 0
+        for h, want, value in zip(hashes, tokens, values):
+            entry = space.index.entries.get(h)
+            if entry is not None:  # a put committed it meanwhile, or it is being written
+                if not entry.committed or entry.token_ids != want:
+                    break
+            else:
+                block = decode_block(value, space.model_id, space.key, want) if value else None
+                if block is None:
+                    break
+                entry, evicted = space.index.insert_committed(h, want)
+                self._spill(space, evicted)
+                if entry is None:
+                    break
+                space.memory.write_slot(entry.slot, block[1])
+                promoted += 1
+            space.index.add_to_pin(pin_id, h)
+            slots.append(entry.slot)
+        if self.redis is not None:
+            self.redis.num_promoted += promoted
+        return promoted
+
+    def release(self, pin_id: str) -> bool:
+        try:
+            return self._space_of(pin_id).index.release(pin_id)
+        except KeyError:
+            return False
+
+    def expire(self) -> None:
+        for space in self.spaces.values():
+            puts, _ = space.index.expire()
+            if puts:
+                log.info("%s: %d uncommitted put(s) expired", space.model_id, puts)
+
+    # ---- Redis spill -----------------------------------------------------------------
+    def _spill(self, space: Space, evicted: list[Entry]) -> None:
+        if not evicted or self.redis is None:
+            return
+        items = [(self.redis.key(space.model_id, space.key, e.block_hash),
+                  encode_block(space.model_id, space.key, e.token_ids, space.memory.read_slot(e.slot)))
+                 for e in evicted]
+        task = asyncio.get_running_loop().create_task(self.redis.spill(items))
+        self._spills.add(task)
+        task.add_done_callback(self._spills.discard)
+
+    async def flush(self) -> None:
+        """Wait for the spills in flight (tests, shutdown)."""
+        while self._spills:
+            await asyncio.wait(list(self._spills))
+
+    # ---- introspection -----------------------------------------------------------------
+    def stats(self) -> dict[str, int | bool | str]:
+        idx = [s.index for s in self.spaces.values()]
+        r = self.redis
+        return {
+            "blocks_used": sum(i.num_used for i in idx), "blocks_total": sum(i.num_slots for i in idx),
+            "blocks_pinned": sum(i.num_pinned for i in idx), "hits": self.num_hits,
+            "misses": self.num_misses, "evictions": sum(i.num_evictions for i in idx),
+            "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+            "expired_reservations": sum(i.num_expired_reservations for i in idx),
+            "num_spaces": len(self.spaces), "redis_configured": r is not None,
+            "redis_up": bool(r and r.up), "redis_spilled": r.num_spilled if r else 0,
+            "redis_promoted": r.num_promoted if r else 0, "redis_errors": r.num_errors if r else 0,
+            "redis_last_error": r.last_error if r else "",
+        }
+
+    async def close(self) -> None:
+        await self.flush()
+        if self.redis is not None:
+            await self.redis.close()

@@ -1,0 +1,78 @@
+"""One prefill request's use of the kv-store (the ExternalKV of AsyncEngine.prefill).
+
+    StorePrefix(...)     PinGet of the prompt's block chain starts at once, in parallel
+                         with the engine admitting the request
+    load(block_ids, n)   engine admitted it with n tokens hit in its own prefix cache:
+                         read the store's pinned blocks past those into block_ids, release
+                         the pin; returns the tokens that now hold KV
+    (engine computes the rest; the KV push to decode sends every block alike)
+    finish(put=True)     after the reply: write the blocks the store did not provide
+                         (ReservePut skips those it holds), then the caller frees them
+
+At least one prompt token is always left to compute (its logits give the first token).
+Any store failure is a miss (KVStoreClient); cancel() returns once no read can land.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from common.hashing import hash_block_chain
+from services.kv_store.client import KVStoreClient
+
+
+class StorePrefix:
+    def __init__(self, client: KVStoreClient, prompt: list[int], model_id: str, layout: str):
+        self.client, self.prompt = client, prompt
+        bs = self.block_size = client.block_size
+        self.hashes = hash_block_chain(prompt, bs, model_id, layout)
+        num_loadable = (len(prompt) - 1) // bs
+        self._pin = asyncio.get_running_loop().create_task(
+            client.pin(self.hashes[:num_loadable], prompt[:num_loadable * bs]))
+        self.block_ids: list[int] = []
+        self.num_loaded_blocks = 0          # from the store (past the local hits)
+        self.num_cached_blocks = 0          # local hits + loaded: not computed here
+        self._reading: asyncio.Future | None = None
+        self._cancelled = False
+        self._loading = False
+
+    async def load(self, block_ids: list[int], num_cached_tokens: int) -> int:
+        self._loading = True
+        self.block_ids = block_ids
+        first = num_cached_tokens // self.block_size
+        self.num_cached_blocks = first
+        pinned = await self._pin
+        if pinned is None:
+            return num_cached_tokens
+        try:
+            last = len(pinned.slot_ids)
+            if last <= first or self._cancelled:
+                return num_cached_tokens
+            self._reading = asyncio.ensure_future(
+                self.client.fetch(pinned, first, last, block_ids[first:last]))
+            if not await self._reading:
+                return num_cached_tokens
+        finally:
+            asyncio.get_running_loop().create_task(self.client.release(pinned.pin_id))
+        self.num_loaded_blocks = last - first
+        self.num_cached_blocks = last
+        return last * self.block_size
+
+    async def cancel(self) -> None:
+        self._cancelled = True
+        if self._reading is not None:
+            await asyncio.wait([self._reading])
+
+    async def finish(self, put: bool) -> int:
+        """After the request: put the full blocks this node computed when `put` (returns how
+        many were written), and drop the pin if load never ran (the request ended first)."""
+        if not self._loading:
+            pinned = await self._pin
+            if pinned is not None:
+                await self.client.release(pinned.pin_id)
+            return 0
+        if not put or not self.block_ids:
+            return 0
+        first = self.num_cached_blocks if self.num_loaded_blocks else 0
+        bs = self.block_size
+        return await self.client.put(self.block_ids[first:len(self.hashes)], self.hashes[first:],
+                                     self.prompt[first * bs:len(self.hashes) * bs])

@@ -1,0 +1,59 @@
+"""Shared pieces of the kv-store tests: a client-side KV cache on the fake transfer engine
+and the store-side calls a node makes (reserve -> write -> commit, pin -> compare)."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from common.config import KVStoreConfig
+from common.hashing import hash_block_chain, layout_key
+from common.transfer.fake import FakeTransfer
+from common.transfer.kv_writes import KVSender
+from common.transfer.layout import KVLayout
+from services.kv_store.store import KVStore
+
+BLOCK_SIZE = 4
+
+
+class ClientCache:
+    """A node's KV cache [L, 2, num_blocks, BLOCK_SIZE, heads, head_dim], random contents,
+    registered with its own fake transfer engine."""
+
+    def __init__(self, num_blocks: int = 16, num_layers: int = 2, heads: int = 2, head_dim: int = 8,
+                 dtype=torch.float32, block_size: int = BLOCK_SIZE, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.kv = torch.randn(num_layers, 2, num_blocks, block_size, heads, head_dim,
+                              generator=gen).to(dtype)
+        self.transfer = FakeTransfer()
+        self.transfer.register(self.kv.data_ptr(), self.kv.numel() * self.kv.element_size())
+        self.layout = KVLayout.of_tensor(self.kv)
+        self.sender = KVSender(self.transfer, self.layout)
+
+    def block_bytes(self, block_id: int) -> bytes:
+        return self.kv[:, :, block_id].contiguous().view(torch.uint8).numpy().tobytes()
+
+    def close(self) -> None:
+        self.transfer.close()
+
+
+def chain(tokens: list[int], model_id: str, layout: KVLayout) -> list[bytes]:
+    return hash_block_chain(tokens, layout.block_size, model_id, layout_key(layout))
+
+
+def new_store(num_slots: int, cache: ClientCache, redis=None, clock=time.monotonic, **cfg) -> KVStore:
+    per_slot = cache.layout.num_layers * 2 * cache.layout.block_bytes
+    config = KVStoreConfig(capacity_mb=num_slots * per_slot / (1 << 20), **cfg)
+    return KVStore(config, FakeTransfer(), redis, clock)
+
+
+def put_blocks(store: KVStore, cache: ClientCache, model_id: str, tokens: list[int],
+               block_ids: list[int]) -> list[int]:
+    """What a prefill node does after a request: returns the slots written."""
+    hashes = chain(tokens, model_id, cache.layout)
+    put_id, indices, slots, space = store.reserve_put(model_id, cache.layout, hashes, tokens)
+    if put_id:
+        cache.sender.send_blocks(store.transfer.endpoint, space.memory.layout,
+                                 [block_ids[i] for i in indices], slots)
+        store.commit_put(put_id)
+    return slots

@@ -1,0 +1,106 @@
+"""KVStore over the fake transfer engine (no Redis): bytes in equal bytes out, key spaces
+never mix, bad input is named, leases end."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from services.kv_store.store import SpacesExhausted
+from tests.kv_store_helpers import BLOCK_SIZE, ClientCache, chain, new_store, put_blocks
+
+TOKENS = list(range(100, 100 + 4 * BLOCK_SIZE))   # 4 full blocks
+
+
+@pytest.fixture
+def cache():
+    c = ClientCache()
+    yield c
+    c.close()
+
+
+def test_put_then_pin_gets_the_same_bytes(cache):
+    store = new_store(8, cache)
+    slots = put_blocks(store, cache, "m", TOKENS, [5, 6, 7, 2])
+    assert slots == [0, 1, 2, 3]
+    space = next(iter(store.spaces.values()))
+    for block_id, slot in zip([5, 6, 7, 2], slots):
+        assert space.memory.read_slot(slot) == cache.block_bytes(block_id)
+    hashes = chain(TOKENS, "m", cache.layout)
+    pin_id, got, promoted, _ = asyncio.run(store.pin_get("m", cache.layout, hashes, TOKENS))
+    assert (got, promoted) == ([0, 1, 2, 3], 0)
+    assert store.stats()["blocks_pinned"] == 4
+    assert store.release(pin_id) and not store.release(pin_id)
+    s = store.stats()
+    assert (s["hits"], s["misses"], s["blocks_used"], s["blocks_pinned"]) == (4, 0, 4, 0)
+    assert s["bytes_in"] == s["bytes_out"] == 4 * space.memory.bytes_per_slot
+
+
+def test_a_second_put_writes_only_missing_blocks(cache):
+    store = new_store(8, cache)
+    put_blocks(store, cache, "m", TOKENS[:2 * BLOCK_SIZE], [0, 1])
+    hashes = chain(TOKENS, "m", cache.layout)
+    put_id, indices, slots, _ = store.reserve_put("m", cache.layout, hashes, TOKENS)
+    assert (indices, slots) == ([2, 3], [2, 3])
+
+
+def test_blocks_never_cross_models_or_layouts(cache):
+    store = new_store(8, cache, max_spaces=4)
+    put_blocks(store, cache, "model-a", TOKENS, [0, 1, 2, 3])
+    hashes_a = chain(TOKENS, "model-a", cache.layout)
+    # another model asking with model-a's exact hashes and tokens still misses
+    assert asyncio.run(store.lookup("model-b", cache.layout, hashes_a)) == (0, 0)
+    assert asyncio.run(store.pin_get("model-b", cache.layout, hashes_a, TOKENS))[:2] == ("", [])
+    bf16 = ClientCache(dtype=torch.bfloat16)
+    wider = ClientCache(heads=4)
+    try:
+        for other in (bf16, wider):
+            assert asyncio.run(store.lookup("model-a", other.layout, hashes_a)) == (0, 0)
+            assert asyncio.run(store.pin_get("model-a", other.layout, hashes_a, TOKENS))[1] == []
+    finally:
+        bf16.close()
+        wider.close()
+    assert asyncio.run(store.lookup("model-a", cache.layout, hashes_a)) == (4, 4)
+
+
+def test_pin_checks_the_stored_tokens(cache):
+    store = new_store(8, cache)
+    put_blocks(store, cache, "m", TOKENS, [0, 1, 2, 3])
+    hashes = chain(TOKENS, "m", cache.layout)
+    wrong = TOKENS[:BLOCK_SIZE] + [7] * BLOCK_SIZE + TOKENS[2 * BLOCK_SIZE:]
+    assert asyncio.run(store.pin_get("m", cache.layout, hashes, wrong))[1] == [0]
+
+
+def test_max_spaces_is_enforced(cache):
+    store = new_store(8, cache, max_spaces=1)
+    put_blocks(store, cache, "a", TOKENS, [0, 1, 2, 3])
+    with pytest.raises(SpacesExhausted, match="max_spaces"):
+        put_blocks(store, cache, "b", TOKENS, [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("hashes, tokens, match", [
+    ([b"short"], [1] * BLOCK_SIZE, "block_hashes\\[0\\] has 5 bytes"),
+    ([bytes(16)], [1] * (BLOCK_SIZE - 1), f"token_ids has {BLOCK_SIZE - 1} ids"),
+])
+def test_bad_arguments_name_the_field(cache, hashes, tokens, match):
+    store = new_store(8, cache)
+    with pytest.raises(ValueError, match=match):
+        store.reserve_put("m", cache.layout, hashes, tokens)
+    with pytest.raises(ValueError, match="model_id"):
+        store.reserve_put("", cache.layout, [bytes(16)], [1] * BLOCK_SIZE)
+
+
+def test_uncommitted_put_expires_and_commit_then_fails(cache):
+    now = [0.0]
+    store = new_store(8, cache, clock=lambda: now[0], reserve_ttl_s=5.0)
+    hashes = chain(TOKENS, "m", cache.layout)
+    put_id, _, slots, space = store.reserve_put("m", cache.layout, hashes, TOKENS)
+    assert store.stats()["blocks_used"] == 4
+    now[0] = 5.0
+    store.expire()
+    s = store.stats()
+    assert (s["blocks_used"], s["expired_reservations"]) == (0, 1)
+    with pytest.raises(KeyError):
+        store.commit_put(put_id)
+    assert asyncio.run(store.lookup("m", cache.layout, hashes)) == (0, 0)
