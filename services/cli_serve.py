@@ -1,8 +1,8 @@
 """`pdmesh serve ROLE --config FILE`: run one service of a mesh config in this process.
 
-ROLE is meta-server, gateway, prefill, decode or both; engine roles pick their entry of
-`nodes` by --node-id (default: the first node of that role). --port / --meta override
-the file, so a launcher can hand out free ports.
+ROLE is meta-server, gateway, kv-store, prefill, decode or both; engine roles pick their
+entry of `nodes` by --node-id (default: the first node of that role). --port / --meta /
+--kv-store override the file, so a launcher can hand out free ports.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import signal
 
-ROLES = ("meta-server", "gateway", "prefill", "decode", "both")
+ROLES = ("meta-server", "gateway", "kv-store", "prefill", "decode", "both")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -23,6 +23,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--node-id", default="", help="engine roles: which nodes[] entry")
     p.add_argument("--port", type=int, default=None, help="override the configured port")
     p.add_argument("--meta", default="", help="override the meta-server address HOST:PORT")
+    p.add_argument("--kv-store", default="", help="override the kv-store address HOST:PORT")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -38,6 +39,12 @@ def _apply_overrides(mesh, args):
         if len(addresses) > 1:
             mesh = dataclasses.replace(mesh, gateway=dataclasses.replace(
                 mesh.gateway, meta_addresses=tuple(addresses)))
+    if args.kv_store:
+        if mesh.kv_store is None:
+            raise ValueError("--kv-store given but the config has no kv_store section")
+        host, _, port = args.kv_store.rpartition(":")
+        mesh = dataclasses.replace(mesh, kv_store=dataclasses.replace(
+            mesh.kv_store, host=host, port=int(port), advertise_host=""))
     return mesh
 
 
@@ -63,11 +70,18 @@ async def _serve(args) -> None:
         if mesh.etcd_endpoint:
             from common.cluster.etcd import EtcdConfig
             etcd = EtcdConfig(endpoint=mesh.etcd_endpoint, cluster=mesh.cluster)
-        server, _ = await create_server(meta, etcd=etcd)
+        server, _ = await create_server(meta, etcd=etcd,
+                                        kv_store_address=mesh.kv_store.address if mesh.kv_store else "")
 
         async def stop(grace):
             await server.stop(grace)
             await server.close_extras()
+    elif args.role == "kv-store":
+        from services.kv_store.server import create_server, stop_server
+        server, _ = await create_server(mesh, args.port)
+
+        async def stop(grace):
+            await stop_server(server, grace)
     elif args.role == "gateway":
         from services.gateway.server import create_server
         server, _ = await create_server(mesh, args.port)

@@ -1,6 +1,6 @@
 """Starts a whole mesh as separate processes on this host (`pdmesh up`, integration tests).
 
-Order: meta-server -> engine nodes -> gateway. Port 0 in the config means "pick a free
+Order: meta-server -> kv-store (when configured) -> engine nodes -> gateway. Port 0 in the config means "pick a free
 port"; the choice is passed to each process with --port / --meta. Each start waits for
 grpc.health.v1 SERVING (and, for engine nodes, for their registration at the
 meta-server) and prints one status line per service. `stop` sends SIGTERM to all and
@@ -85,6 +85,13 @@ class MeshProcesses:
             self.services[name] = Service(name, "meta-server", meta_host, port, [],
                                           self.log_dir / f"{name}.log")
             self.meta_addresses.append(f"{meta_host}:{port}")
+        self.kv_store_address = ""
+        if m.kv_store is not None:
+            kv = m.kv_store
+            port = kv.port or free_port(kv.host)
+            self.services["kv-store"] = Service("kv-store", "kv-store", kv.advertise_host or kv.host,
+                                                port, [], self.log_dir / "kv-store.log")
+            self.kv_store_address = self.services["kv-store"].address
         for node in m.nodes:
             port = node.port or free_port(node.host)
             self.services[node.node_id] = Service(node.node_id, node.role, node.advertised_host, port,
@@ -99,6 +106,8 @@ class MeshProcesses:
         m = self.mesh
         fixed = [("meta-server", m.meta.host, m.meta.port), ("gateway", m.gateway.host, m.gateway.port),
                  *((n.node_id, n.host, n.port) for n in m.nodes)]
+        if m.kv_store is not None:
+            fixed.append(("kv-store", m.kv_store.host, m.kv_store.port))
         taken = [f"{name} {host}:{port}" for name, host, port in fixed if port and port_in_use(host, port)]
         if taken:
             raise RuntimeError(f"port(s) already in use: {', '.join(taken)} (another mesh running?)")
@@ -106,6 +115,8 @@ class MeshProcesses:
     def _spawn(self, svc: Service) -> None:
         cmd = [sys.executable, "-m", "services.cli", "serve", svc.role, "--config", self.config_path,
                "--port", str(svc.port), "--meta", ",".join(self.meta_addresses), *svc.args]
+        if self.kv_store_address:
+            cmd += ["--kv-store", self.kv_store_address]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         log = open(svc.log_path, "ab")
         svc.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -131,7 +142,8 @@ class MeshProcesses:
         self._plan()
         try:
             standbys = [f"meta-server-{i}" for i in range(1, self.mesh.meta.standbys + 1)]
-            order = ["meta-server", *standbys, *[n.node_id for n in self.mesh.nodes]]
+            store = ["kv-store"] if self.kv_store_address else []
+            order = ["meta-server", *standbys, *store, *[n.node_id for n in self.mesh.nodes]]
             self._spawn(self.services["meta-server"])  # first, so it normally leads
             wait_healthy(self.meta_address, timeout_s, self.services["meta-server"].process)
             for name in order[1:]:

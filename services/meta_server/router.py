@@ -12,6 +12,10 @@ excluded ones (nodes that already failed it). Policies, per tier (decode, prefil
                shared prefix (32 blocks of 16) the node that served it wins unless it
                has about 8 more requests in flight than the others.
 
+With a kv-store, its leading hits (one Lookup per request, services/meta_server/store_hits.py)
+count as a hit on every prefill node: the prefix is then a read away wherever the request
+goes, so the load penalty decides among them.
+
 Where prefix hits come from: the gateway sends the request's block hashes (the chain of
 common.hashing) in RouteRequest, and the router records them for the nodes it chose in a
 PrefixIndex (per node LRU bounded by its number of KV blocks). Chosen over nodes
@@ -50,6 +54,7 @@ class RouteRequest:
     num_prompt_tokens: int
     block_hashes: tuple[bytes, ...] = ()
     exclude_node_ids: frozenset[str] = frozenset()
+    store_hit_blocks: int = 0          # leading blocks the kv-store holds (any prefill node reads them)
 
 
 @dataclass
@@ -97,7 +102,7 @@ class Router:
         prefills = [m for m in usable if m.role == "prefill"]
         prefill = None
         if decode.role == "decode" and prefills and not self._prefill_locally(request, prefills):
-            prefill = self._pick("prefill", prefills, policy, hashes)
+            prefill = self._pick("prefill", prefills, policy, hashes, request.store_hit_blocks)
         decision = RouteDecision(decode, prefill, self.index.prefix_hit(decode.node_id, hashes))
         self._record(decision, hashes)
         return decision
@@ -109,17 +114,18 @@ class Router:
         return threshold > 0 and min(m.info.load.waiting for m in prefills) > threshold
 
     def _pick(self, tier: str, candidates: list[Member], policy: str,
-              hashes: tuple[bytes, ...]) -> Member:
+              hashes: tuple[bytes, ...], shared_hit_blocks: int = 0) -> Member:
         candidates = sorted(candidates, key=lambda m: m.node_id)
         if policy == "round_robin":
             return candidates[next(self._turns[tier]) % len(candidates)]
         if policy == "cache_aware":
-            return min(candidates, key=lambda m: (self.cost(m, hashes), m.node_id))
+            return min(candidates, key=lambda m: (self.cost(m, hashes, shared_hit_blocks), m.node_id))
         return min(candidates, key=lambda m: (m.load_score(), m.node_id))
 
-    def cost(self, member: Member, hashes: tuple[bytes, ...]) -> float:
-        """cache_aware cost in blocks: blocks to prefill + load penalty. Read-only."""
-        hit = self.index.prefix_hit(member.node_id, hashes)
+    def cost(self, member: Member, hashes: tuple[bytes, ...], shared_hit_blocks: int = 0) -> float:
+        """cache_aware cost in blocks: blocks to prefill + load penalty. shared_hit_blocks
+        is a hit every candidate has (the kv-store's). Read-only."""
+        hit = max(self.index.prefix_hit(member.node_id, hashes), shared_hit_blocks)
         return (len(hashes) - hit) + self.load_penalty_blocks * member.load_score()
 
     def _record(self, decision: RouteDecision, hashes: tuple[bytes, ...]) -> None:

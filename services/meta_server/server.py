@@ -22,6 +22,7 @@ from services import grpc_util
 from services.meta_server.admin_servicer import MetaAdminServicer
 from services.meta_server.admin_state import AdminState, InMemoryAdminState
 from services.meta_server.control import MetaControl
+from services.meta_server.store_hits import StoreHits
 from services.meta_server.registry import EmbeddedRegistry
 from services.meta_server.router import Router
 from services.meta_server.servicer import MetaServicer
@@ -32,9 +33,10 @@ SERVICE_NAMES = [SERVICES["MetaServer"].full_name, SERVICES["MetaAdmin"].full_na
 
 
 async def create_server(cfg: MetaConfig, port: int | None = None,
-                        admin_state: AdminState | None = None, etcd=None):
+                        admin_state: AdminState | None = None, etcd=None, kv_store_address: str = ""):
     """etcd: an EtcdConfig; membership then comes from etcd and the admin state lives
-    there. Call `await server.close_extras()` after stopping."""
+    there. kv_store_address: the kv-store whose hits cache_aware routing counts. Call
+    `await server.close_extras()` after stopping."""
     cluster = None
     if etcd is not None:
         from common.cluster.etcd import EtcdCluster
@@ -51,7 +53,8 @@ async def create_server(cfg: MetaConfig, port: int | None = None,
         members = EtcdMembers(cluster, control)
         await members.start()
     server = grpc_util.new_server()
-    meta_pb2_grpc.add_MetaServerServicer_to_server(MetaServicer(control), server)
+    store_hits = StoreHits(kv_store_address) if kv_store_address else None
+    meta_pb2_grpc.add_MetaServerServicer_to_server(MetaServicer(control, store_hits), server)
     meta_pb2_grpc.add_MetaAdminServicer_to_server(MetaAdminServicer(control), server)
     health = grpc_util.add_health_and_reflection(server, SERVICE_NAMES)
     bound = grpc_util.bind(server, cfg.host, cfg.port if port is None else port)
@@ -81,6 +84,8 @@ async def create_server(cfg: MetaConfig, port: int | None = None,
             await members.close()
         if cluster is not None:
             await cluster.close()
+        if store_hits is not None:
+            await store_hits.close()
 
     server.close_extras = close_extras
     log.info("meta-server serving at %s:%d (policy %s, ttl %.1fs)", cfg.host, bound, admin.policy(),

@@ -7,17 +7,20 @@ import grpc
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
 from services.meta_server.control import MetaControl
 from services.meta_server.router import NoNodeError, RouteRequest
+from services.meta_server.store_hits import StoreHits
 
 
-def route_request(request: meta_pb2.RouteRequest) -> RouteRequest:
+def route_request(request: meta_pb2.RouteRequest, store_hit_blocks: int = 0) -> RouteRequest:
     return RouteRequest(model_id=request.model_id, num_prompt_tokens=request.num_prompt_tokens,
                         block_hashes=tuple(request.block_hashes),
-                        exclude_node_ids=frozenset(request.exclude_node_ids))
+                        exclude_node_ids=frozenset(request.exclude_node_ids),
+                        store_hit_blocks=store_hit_blocks)
 
 
 class MetaServicer(meta_pb2_grpc.MetaServerServicer):
-    def __init__(self, control: MetaControl):
+    def __init__(self, control: MetaControl, store_hits: StoreHits | None = None):
         self.control = control
+        self.store_hits = store_hits
 
     async def Register(self, request, context):
         node = request.node
@@ -41,8 +44,12 @@ class MetaServicer(meta_pb2_grpc.MetaServerServicer):
         standby = self.control.standby_reason()
         if standby:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, standby)
+        store_hit_blocks = 0
+        if self.store_hits is not None and self.control.policy() == "cache_aware":
+            store_hit_blocks = await self.store_hits.leading_hits(
+                self.control.live_members(), request.model_id, request.block_hashes)
         try:
-            decision = self.control.route(route_request(request))
+            decision = self.control.route(route_request(request, store_hit_blocks))
         except NoNodeError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         reply = meta_pb2.RouteResponse(decode=decision.decode.info,

@@ -109,6 +109,24 @@ def test_cache_aware_follows_a_shared_512_token_prefix_unless_overloaded():
     assert ids(router.route(members, req(600, chain(prompt(9, 9))), "cache_aware")) == ("d1", "p1")
 
 
+def test_cache_aware_counts_kv_store_hits_on_every_prefill_node():
+    router, members = Router(), mesh()
+    p0, p1, d0, d1 = members
+    first = chain(prompt(1, 1))
+    assert ids(router.route(members, req(600, first), "cache_aware")) == ("d0", "p0")
+    heartbeat(p0, running=1)
+    second = tuple(chain(prompt(1, 2)))
+    # without the store, p0's prefix hit (32 blocks) outweighs its load: 5 + 4 < 37
+    assert ids(router.route(members, req(600, second), "cache_aware"))[1] == "p0"
+    heartbeat(p0, running=1), heartbeat(p1)
+    # the store holds the prefix: both prefill nodes miss only 5 blocks, p1 is idle
+    third = tuple(chain(prompt(1, 3)))
+    assert router.cost(p1, third, shared_hit_blocks=32) == 5
+    assert router.cost(p0, third, shared_hit_blocks=32) == 5 + 4
+    decision = router.route(members, RouteRequest("m", 600, third, store_hit_blocks=32), "cache_aware")
+    assert decision.prefill.node_id == "p1"
+
+
 def test_conditional_disaggregation():
     router, members = Router(local_prefill_max_tokens=64, prefill_queue_threshold=2), mesh()
     p0, p1, d0, d1 = members
