@@ -1,17 +1,20 @@
-"""KV data plane: one-sided writes into a peer's registered memory.
+"""KV data plane: one-sided writes into, and reads out of, a peer's registered memory.
 
 Every node registers its whole KV cache once (`register`) and publishes
 `endpoint` plus the region's base address in its NodeInfo. A writer then moves bytes
 with `write(peer_endpoint, [(local_addr, remote_addr, length), ...])`: one batched call,
-returning only when every byte is acknowledged by the receiver; TransferError otherwise
-(unreachable peer, address outside the peer's registered regions, injected fault).
+returning only when every byte is acknowledged by the receiver. A reader pulls bytes the
+other way with `read(peer_endpoint, [(local_addr, remote_addr, length), ...])`, returning
+only when every byte has arrived in local memory. Either raises TransferError otherwise
+(unreachable peer, remote range outside the peer's registered regions, local range not
+registered where the backend needs it, injected fault).
 
 Backends (common/transfer/registry.py): `mooncake` (Mooncake Transfer Engine, tcp here,
-rdma on RoCE), `grpc` (bytes over a gRPC client stream; the receiver serves the
-KVTransfer service), `fake` (in-process memmove with fault injection, for unit tests).
+rdma on RoCE), `grpc` (bytes over gRPC streams; the peer serves the KVTransfer service),
+`fake` (in-process memmove with fault injection, for unit tests).
 
-Thread-safety: `write` may be called from several threads at once; `register` and
-`close` are called once each, from the owning service.
+Thread-safety: `write` and `read` may be called from several threads at once; `register`
+and `close` are called once each, from the owning service.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 
 
 class TransferError(RuntimeError):
-    """A write did not complete; nothing is known about which bytes arrived."""
+    """A write or read did not complete; nothing is known about which bytes arrived."""
 
 
 @dataclass(frozen=True)
@@ -54,13 +57,19 @@ class TransferEngine(ABC):
 
     @abstractmethod
     def register(self, address: int, length: int) -> Region:
-        """Expose [address, address + length) of this process's memory to peers' writes.
-        The memory must stay alive until close()."""
+        """Expose [address, address + length) of this process's memory to peers' writes and
+        reads. The memory must stay alive until close()."""
 
     @abstractmethod
     def write(self, peer: str, batch: list[tuple[int, int, int]]) -> int:
         """Copy each (local_address, remote_address, length) to the peer; returns the
         number of bytes written once all are acknowledged. Raises TransferError."""
+
+    @abstractmethod
+    def read(self, peer: str, batch: list[tuple[int, int, int]]) -> int:
+        """Copy each (local_address, remote_address, length) from the peer's registered
+        memory into local memory; returns the number of bytes read once all have arrived.
+        Raises TransferError (then the local ranges hold unknown bytes)."""
 
     def close(self) -> None:
         """Release registrations and connections. Optional."""

@@ -1,10 +1,12 @@
-"""In-process transfer backend for unit tests: write = ctypes.memmove between regions that
-engines of this process registered, with fault injection.
+"""In-process transfer backend for unit tests: write and read = ctypes.memmove between
+regions that engines of this process registered, with fault injection.
 
 Endpoints ("fake:1", "fake:2", ...) live in a class-level directory until close(). Stricter
-than the TCP backends, as RDMA is: the local range of a write must lie in a region this
-engine registered, and the remote range in one the peer registered. All methods are
-thread-safe.
+than the TCP backends, as RDMA is: the local range of a write or read must lie in a region
+this engine registered, and the remote range in one the peer registered. Every range is
+checked before any byte moves, so a failed call copies nothing. Fault injection
+(fail_next, fail_peer, delay_s) applies to writes and reads alike. Counters: num_writes /
+num_bytes (written), num_reads / num_bytes_read. All methods are thread-safe.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ class FakeTransfer(TransferEngine):
         self.delay_s = delay_s
         self.num_writes = 0
         self.num_bytes = 0
+        self.num_reads = 0
+        self.num_bytes_read = 0
         self._regions: tuple[Region, ...] = ()
         self._lock = threading.Lock()
         self._fail_next: list[BaseException] = []
@@ -45,12 +49,12 @@ class FakeTransfer(TransferEngine):
         return region
 
     def fail_next(self, n: int = 1, error: BaseException | None = None) -> None:
-        """The next n writes raise `error` (default TransferError) and copy nothing."""
+        """The next n writes or reads raise `error` (default TransferError) and copy nothing."""
         with self._lock:
             self._fail_next += [error or TransferError("injected failure")] * n
 
     def fail_peer(self, endpoint: str) -> None:
-        """Every later write from this engine to `endpoint` raises TransferError."""
+        """Every later write to or read from `endpoint` by this engine raises TransferError."""
         with self._lock:
             self._failed_peers.add(endpoint)
 
@@ -62,6 +66,21 @@ class FakeTransfer(TransferEngine):
         return regions_hold(self._regions, address, length)
 
     def write(self, peer: str, batch: list[tuple[int, int, int]]) -> int:
+        total = self._copy(peer, batch, to_peer=True)
+        with self._lock:
+            self.num_writes += 1
+            self.num_bytes += total
+        return total
+
+    def read(self, peer: str, batch: list[tuple[int, int, int]]) -> int:
+        total = self._copy(peer, batch, to_peer=False)
+        with self._lock:
+            self.num_reads += 1
+            self.num_bytes_read += total
+        return total
+
+    def _copy(self, peer: str, batch: list[tuple[int, int, int]], to_peer: bool) -> int:
+        """Injected faults, then every range checked, then the memmoves; returns the bytes."""
         with self._lock:
             injected = self._fail_next.pop(0) if self._fail_next else None
             peer_failed = peer in self._failed_peers
@@ -84,11 +103,9 @@ class FakeTransfer(TransferEngine):
         total = 0
         for local, remote, length in batch:
             if length:
-                ctypes.memmove(remote, local, length)
+                dst, src = (remote, local) if to_peer else (local, remote)
+                ctypes.memmove(dst, src, length)
                 total += length
-        with self._lock:
-            self.num_writes += 1
-            self.num_bytes += total
         return total
 
     def close(self) -> None:

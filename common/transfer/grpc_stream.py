@@ -1,32 +1,41 @@
-"""`grpc` backend: writes carried as a client stream of KVTransfer.Write chunks, for hosts
-where Mooncake cannot be installed.
+"""`grpc` backend: writes carried as a client stream of KVTransfer.Write chunks, reads as a
+server stream of KVTransfer.Read chunks, for hosts where Mooncake cannot be installed.
 
 Receiver: every engine serves KVTransfer on its own small sync gRPC server (thread pool) at
 `endpoint` = host:port (port 0 picks a free one). Each WriteChunk's bytes are copied into
 registered memory after checking that [remote_address, + len(data)) lies inside one
 registered region; otherwise the RPC ends with INVALID_ARGUMENT and nothing more of that
-stream is applied. The ack carries the bytes written.
+stream is applied. The ack carries the bytes written. A ReadRequest is checked whole first
+(every range inside one registered region, else INVALID_ARGUMENT naming the range and
+nothing sent); then the ranges' bytes are streamed in order, packed into ReadChunks of the
+reader's chunk_bytes.
 
-Writer: one channel per peer, kept until close() or an UNAVAILABLE failure; a batch is one RPC whose ranges are split
-into chunks of at most `chunk_bytes`. Chunks are encoded and decoded by hand in
-WriteChunk's wire format (byte-identical to transfer_pb2.WriteChunk, whose clients work
-unchanged) so that each chunk's payload is copied once on each side instead of three times.
+Writer and reader: one channel per peer, kept until close() or an UNAVAILABLE failure; a
+write batch is one RPC whose ranges are split into chunks of at most `chunk_bytes`; a read
+batch is one RPC whose chunks are copied into the local ranges in order, and the total
+checked against the request. WriteChunks and ReadChunks are encoded and decoded by hand
+(common/transfer/grpc_wire.py). Nothing checks the local addresses of a batch: they must be
+valid memory of this process (registered or not).
 
-Thread-safety: `write` may be called from several threads at once (each call is its own
-RPC); the server applies concurrent streams in parallel, so writers must not overlap ranges.
+Thread-safety: `write` and `read` may be called from several threads at once (each call is
+its own RPC); the server applies concurrent streams in parallel, so writers must not overlap
+ranges.
 """
 from __future__ import annotations
 
 import ctypes
 import threading
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 
 from common.transfer.base import Region, TransferEngine, TransferError, regions_hold
+from common.transfer.grpc_wire import (bytes_address, decode_chunk, encode_chunk, encode_read_chunks,
+                                       scatter_read_chunks)
 from protos.pdmesh.v1 import transfer_pb2
 
-METHOD = "/pdmesh.v1.KVTransfer/Write"
+SERVICE = "pdmesh.v1.KVTransfer"
 MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -34,64 +43,11 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-        if shift > 63:
-            raise ValueError("varint too long")
-
-
-def encode_chunk(remote_address: int, local_address: int, length: int) -> bytes:
-    """WriteChunk(remote_address, data=<length bytes at local_address>), serialized."""
-    header = (b"\x08" + _varint(remote_address) if remote_address else b"") + b"\x12" + _varint(length)
-    return b"".join((header, (ctypes.c_char * length).from_address(local_address)))
-
-
-def decode_chunk(buf: bytes) -> tuple[int, int, int]:
-    """(remote_address, offset of data in buf, length of data) of a serialized WriteChunk;
-    ValueError if malformed."""
-    address, offset, length, pos = 0, 0, 0, 0
-    try:
-        while pos < len(buf):
-            tag, pos = _read_varint(buf, pos)
-            field, wire = tag >> 3, tag & 7
-            if wire == 0:
-                value, pos = _read_varint(buf, pos)
-                if field == 1:
-                    address = value
-            elif wire == 2:
-                size, pos = _read_varint(buf, pos)
-                if field == 2:
-                    offset, length = pos, size
-                pos += size
-            elif wire in (1, 5):
-                pos += 8 if wire == 1 else 4
-            else:
-                raise ValueError(f"wire type {wire}")
-    except IndexError:
-        raise ValueError("truncated WriteChunk") from None
-    if pos != len(buf):
-        raise ValueError("truncated WriteChunk")
-    return address, offset, length
-
-
-def _bytes_address(buf: bytes) -> int:
-    return ctypes.cast(ctypes.c_char_p(buf), ctypes.c_void_p).value
+@dataclass(frozen=True)
+class _PeerCalls:
+    channel: grpc.Channel
+    write: grpc.StreamUnaryMultiCallable
+    read: grpc.UnaryStreamMultiCallable
 
 
 class GrpcStreamTransfer(TransferEngine):
@@ -104,14 +60,18 @@ class GrpcStreamTransfer(TransferEngine):
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
         self._regions: tuple[Region, ...] = ()
-        self._calls: dict[str, tuple[grpc.Channel, grpc.StreamUnaryMultiCallable]] = {}
+        self._calls: dict[str, _PeerCalls] = {}
         self._lock = threading.Lock()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers, "kv-recv"),
                                    options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
-        handler = grpc.stream_unary_rpc_method_handler(
-            self._serve_write, response_serializer=transfer_pb2.WriteAck.SerializeToString)
-        self._server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler("pdmesh.v1.KVTransfer", {"Write": handler}),))
+        handlers = {
+            "Write": grpc.stream_unary_rpc_method_handler(
+                self._serve_write, response_serializer=transfer_pb2.WriteAck.SerializeToString),
+            "Read": grpc.unary_stream_rpc_method_handler(
+                self._serve_read, request_deserializer=transfer_pb2.ReadRequest.FromString,
+                response_serializer=None),
+        }
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         bound = self._server.add_insecure_port(f"{host}:{port}")
         if not bound:
             raise TransferError(f"grpc transfer: cannot bind {host}:{port}")
@@ -131,6 +91,9 @@ class GrpcStreamTransfer(TransferEngine):
     def _contains(self, address: int, length: int) -> bool:
         return regions_hold(self._regions, address, length)
 
+    def _region_list(self) -> str:
+        return ", ".join(f"({r.address:#x}, {r.length})" for r in self._regions)
+
     def _serve_write(self, chunks, context) -> transfer_pb2.WriteAck:
         total = 0
         for buf in chunks:
@@ -143,23 +106,39 @@ class GrpcStreamTransfer(TransferEngine):
             if not self._contains(address, length):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"remote_address range ({address:#x}, {length} bytes) is not inside a "
-                              f"region registered on {self._endpoint}: "
-                              + ", ".join(f"({r.address:#x}, {r.length})" for r in self._regions))
-            ctypes.memmove(address, _bytes_address(buf) + offset, length)
+                              f"region registered on {self._endpoint}: {self._region_list()}")
+            ctypes.memmove(address, bytes_address(buf) + offset, length)
             total += length
         return transfer_pb2.WriteAck(bytes_written=total)
 
-    def _call_for(self, peer: str) -> grpc.StreamUnaryMultiCallable:
+    def _serve_read(self, request: transfer_pb2.ReadRequest, context):
+        step = request.chunk_bytes or self.chunk_bytes
+        if step > MAX_MESSAGE_BYTES - 64:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"chunk_bytes {step} must be in (0, {MAX_MESSAGE_BYTES - 64}]")
+        ranges = [(r.remote_address, r.length) for r in request.ranges]
+        for i, (address, length) in enumerate(ranges):
+            if length and not self._contains(address, length):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"ranges[{i}] ({address:#x}, {length} bytes) is not inside a region "
+                              f"registered on {self._endpoint}: {self._region_list()}")
+        yield from encode_read_chunks(ranges, step)
+
+    def _calls_for(self, peer: str) -> _PeerCalls:
         with self._lock:
             if peer not in self._calls:
                 channel = grpc.insecure_channel(peer, options=CHANNEL_OPTIONS)
-                call = channel.stream_unary(METHOD, request_serializer=None,
-                                            response_deserializer=transfer_pb2.WriteAck.FromString)
-                self._calls[peer] = (channel, call)
-            return self._calls[peer][1]
+                self._calls[peer] = _PeerCalls(
+                    channel,
+                    channel.stream_unary(f"/{SERVICE}/Write", request_serializer=None,
+                                         response_deserializer=transfer_pb2.WriteAck.FromString),
+                    channel.unary_stream(f"/{SERVICE}/Read",
+                                         request_serializer=transfer_pb2.ReadRequest.SerializeToString,
+                                         response_deserializer=None))
+            return self._calls[peer]
 
     def _forget(self, peer: str) -> None:
-        """Drops a failed peer's channel (closed once no call uses it) so that the next write
+        """Drops a failed peer's channel (closed once no call uses it) so that the next call
         connects afresh instead of waiting out the channel's reconnect backoff."""
         with self._lock:
             self._calls.pop(peer, None)
@@ -177,20 +156,44 @@ class GrpcStreamTransfer(TransferEngine):
         if not total:
             return 0
         try:
-            ack = self._call_for(peer)(self._chunks(batch), timeout=self.timeout_s)
+            ack = self._calls_for(peer).write(self._chunks(batch), timeout=self.timeout_s)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                self._forget(peer)
-            raise TransferError(f"grpc write of {total} bytes to {peer} failed: "
-                                f"{exc.code().name}: {exc.details()}") from None
+            raise self._failure(f"grpc write of {total} bytes to {peer}", peer, exc) from None
         if ack.bytes_written != total:
             raise TransferError(f"grpc write to {peer}: acked {ack.bytes_written} of {total} bytes")
         return total
 
+    def read(self, peer: str, batch: list[tuple[int, int, int]]) -> int:
+        if any(length < 0 for _, _, length in batch):
+            raise ValueError(f"negative length in read batch from {peer}")
+        batch = [r for r in batch if r[2]]
+        total = sum(length for _, _, length in batch)
+        if not total:
+            return 0
+        request = transfer_pb2.ReadRequest(
+            ranges=[transfer_pb2.ReadRange(remote_address=remote, length=length)
+                    for _, remote, length in batch], chunk_bytes=self.chunk_bytes)
+        try:
+            chunks = self._calls_for(peer).read(request, timeout=self.timeout_s)
+            received = scatter_read_chunks(chunks, [(local, length) for local, _, length in batch])
+        except grpc.RpcError as exc:
+            raise self._failure(f"grpc read of {total} bytes from {peer}", peer, exc) from None
+        except ValueError as exc:
+            chunks.cancel()
+            raise TransferError(f"grpc read from {peer}: bad reply: {exc}") from None
+        if received != total:
+            raise TransferError(f"grpc read from {peer}: received {received} of {total} bytes")
+        return total
+
+    def _failure(self, what: str, peer: str, exc: grpc.RpcError) -> TransferError:
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            self._forget(peer)
+        return TransferError(f"{what} failed: {exc.code().name}: {exc.details()}")
+
     def close(self) -> None:
         with self._lock:
             calls, self._calls = self._calls, {}
-        for channel, _ in calls.values():
-            channel.close()
+        for calls_of_peer in calls.values():
+            calls_of_peer.channel.close()
         self._server.stop(grace=None).wait()
         self._regions = ()

@@ -1,4 +1,4 @@
-"""Turning "copy these blocks into those blocks" into byte-range writes.
+"""Turning "copy these blocks into those blocks" into byte-range writes (push) or reads (pull).
 
 Address arithmetic (strides in bytes, from KVLayout):
 
@@ -20,6 +20,12 @@ and ([9] -> [3]): a run is a maximal stretch where both the source and the desti
 go up by one, so it is one contiguous range on each side. Each (layer, k/v, run) becomes one
 (local_address, remote_address, run_length * block_bytes) write, in the order
 layer, then K before V, then run.
+
+Reads are the same plan with the roles swapped: the peer's blocks are the source, the local
+ones the destination, and each range is (local_address = destination, remote_address =
+source, length), in the same order. `KVSender.send_blocks` pushes with one batched write,
+`KVSender.fetch_blocks` pulls with one batched read (a client of a KV store pulling blocks
+out of the store's registered cache).
 """
 from __future__ import annotations
 
@@ -68,9 +74,20 @@ def plan_block_writes(src: KVLayout, dst: KVLayout, src_block_ids: Sequence[int]
             for layer in layers for kv in (0, 1) for s, d, n in runs]
 
 
+def plan_block_reads(src: KVLayout, dst: KVLayout, src_block_ids: Sequence[int],
+                     dst_block_ids: Sequence[int], layers: Sequence[int] | None = None,
+                     ) -> list[tuple[int, int, int]]:
+    """(local_address, remote_address, length) reads copying the peer's src blocks into local
+    dst blocks: plan_block_writes(src, dst, ...) with each range's addresses swapped. Pure;
+    ValueError as plan_block_writes."""
+    dst.check_compatible(src)
+    return [(d, s, n) for s, d, n in plan_block_writes(src, dst, src_block_ids, dst_block_ids, layers)]
+
+
 class KVSender:
-    """Pushes blocks of the local KV cache into a peer's KV cache with one batched write.
-    Holds no state besides its arguments; thread-safe if the engine's write is."""
+    """Pushes blocks of the local KV cache into a peer's KV cache with one batched write, or
+    pulls a peer's blocks into the local cache with one batched read. Holds no state besides
+    its arguments; thread-safe if the engine's write and read are."""
 
     def __init__(self, engine: TransferEngine, local: KVLayout):
         self.engine = engine
@@ -85,3 +102,13 @@ class KVSender:
         if not batch:
             return 0
         return self.engine.write(peer_endpoint, batch)
+
+    def fetch_blocks(self, peer_endpoint: str, src_layout: KVLayout, src_block_ids: Sequence[int],
+                     dst_block_ids: Sequence[int], layers: Sequence[int] | None = None) -> int:
+        """Copy src blocks (peer, laid out as src_layout) into dst blocks (local); returns bytes
+        read once all of them arrived. ValueError as plan_block_reads; TransferError from the
+        engine (then the dst blocks hold unknown bytes)."""
+        batch = plan_block_reads(src_layout, self.local, src_block_ids, dst_block_ids, layers)
+        if not batch:
+            return 0
+        return self.engine.read(peer_endpoint, batch)

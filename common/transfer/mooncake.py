@@ -1,5 +1,5 @@
-"""`mooncake` backend: the Mooncake Transfer Engine, one-sided writes into a peer's
-registered memory.
+"""`mooncake` backend: the Mooncake Transfer Engine, one-sided writes into and reads out of a
+peer's registered memory.
 
 Configuration only, same code everywhere:
 - CPU hosts: `pip install mooncake-transfer-engine-non-cuda` (its engine.so also needs the
@@ -15,19 +15,26 @@ Environment variables of the engine, read when it starts: MC_TCP_SLICE_SIZE (byt
 socket read/write, default 64 KiB), MC_TCP_LANES_PER_PEER (connections per peer, default
 4). On loopback with 2 cores neither changed the bandwidth beyond the noise.
 
-How a write runs: each range is submitted as its own transfer (`transfer_submit_write`),
-at most `max_inflight` at once: the TCP transport refuses a peer's transfers beyond
+How a write or read runs: each range is submitted as its own transfer, at most
+`max_inflight` at once (writes: `transfer_submit_write`; reads: `batch_transfer_async` of one
+range with opcode Read, as the binding has no `transfer_submit_read`; its
+`batch_transfer_async_read` + `get_batch_transfer_status` crash the process). The TCP
+transport refuses a peer's transfers beyond
 MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER + MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER (1024 each),
 so one `batch_transfer_sync_write` of ~2,100+ ranges fails outright (the bench model's
 4,096-token prompt pushed into scattered blocks is 4,096 ranges); keep max_inflight x
-concurrent writers to one peer under that too. Completion is polled with short sleeps: the binding's
-`batch_transfer_sync_write` busy-waits on a core, which on a small host starves the
-transport's own I/O thread (measured: ~20-50% slower on 2 cores). A write that fails or
+concurrent transfers to one peer under that too. Completion is polled with short sleeps: the
+binding's `batch_transfer_sync_write` busy-waits on a core, which on a small host starves the
+transport's own I/O thread (measured: ~20-50% slower on 2 cores). A transfer that fails or
 passes `timeout_s` + 1 s/GB raises TransferError after its in-flight ranges settle (or the
 deadline passes; then they are abandoned).
 
+The peer checks the remote range of a write or read against its registered memory (failing
+that range fast); the local range is checked only by transports that need it registered
+(rdma, not tcp: over tcp a read lands at any local address given).
+
 Thread-safety: Mooncake's Python binding releases the GIL and guards its own state with a
-mutex, and every range is its own engine batch, so `write` needs no lock here.
+mutex, and every range is its own engine batch, so `write` and `read` need no lock here.
 """
 from __future__ import annotations
 
@@ -59,7 +66,9 @@ class MooncakeTransfer(TransferEngine):
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.max_inflight = max_inflight
         self.timeout_s = timeout_s
-        self._engine = _import_engine()()
+        engine_cls = _import_engine()
+        self._read_opcode = engine_cls.TransferOpcode.Read
+        self._engine = engine_cls()
         ret = self._engine.initialize(hostname, metadata_server, protocol, device_name)
         if ret != 0:
             raise TransferError(f"mooncake initialize({hostname!r}, {metadata_server!r}, "
@@ -80,8 +89,19 @@ class MooncakeTransfer(TransferEngine):
         return region
 
     def write(self, peer: str, batch: list[tuple[int, int, int]]) -> int:
+        return self._transfer("write", peer, batch, self._engine.transfer_submit_write)
+
+    def read(self, peer: str, batch: list[tuple[int, int, int]]) -> int:
+        return self._transfer("read", peer, batch, self._submit_read)
+
+    def _submit_read(self, peer: str, local: int, remote: int, length: int) -> int:
+        return self._engine.batch_transfer_async(peer, [local], [remote], [length], self._read_opcode)
+
+    def _transfer(self, op: str, peer: str, batch: list[tuple[int, int, int]], submit) -> int:
+        """Runs `submit(peer, local, remote, length) -> batch id (0: refused)` for every
+        non-empty range, at most max_inflight pending, and waits for all of them."""
         if any(length < 0 for _, _, length in batch):
-            raise ValueError(f"negative length in write batch to {peer}")
+            raise ValueError(f"negative length in {op} batch with {peer}")
         batch = [w for w in batch if w[2]]
         total = sum(length for _, _, length in batch)
         deadline = time.monotonic() + self.timeout_s + total / 1e9
@@ -90,31 +110,32 @@ class MooncakeTransfer(TransferEngine):
         try:
             for local, remote, length in batch:
                 if len(pending) >= self.max_inflight:
-                    delay = self._wait_first(peer, pending, deadline, delay)
-                batch_id = self._engine.transfer_submit_write(peer, local, remote, length)
+                    delay = self._wait_first(op, peer, pending, deadline, delay)
+                batch_id = submit(peer, local, remote, length)
                 if not batch_id:
-                    raise TransferError(f"mooncake write to {peer} refused at submit "
+                    raise TransferError(f"mooncake {op} with {peer} refused at submit "
                                         "(peer unreachable or its metadata unknown)")
                 pending.append(batch_id)
             while pending:
-                delay = self._wait_first(peer, pending, deadline, delay)
+                delay = self._wait_first(op, peer, pending, deadline, delay)
         except TransferError:
             self._drain(pending, deadline)
             raise
         return total
 
-    def _wait_first(self, peer: str, pending: deque[int], deadline: float, delay: float) -> float:
+    def _wait_first(self, op: str, peer: str, pending: deque[int], deadline: float,
+                    delay: float) -> float:
         """Blocks until pending[0] completes and pops it, sleeping `delay` between polls,
         doubling up to 1 ms; returns the delay reached (the binding's own sync calls spin a
         core instead)."""
         while (status := self._engine.transfer_check_status(pending[0])) == 0:
             if time.monotonic() > deadline:
-                raise TransferError(f"mooncake write to {peer} timed out")
+                raise TransferError(f"mooncake {op} with {peer} timed out")
             time.sleep(delay)
             delay = min(2 * delay, 1e-3)
         pending.popleft()
         if status != 1:
-            raise TransferError(f"mooncake write to {peer} failed with status {status} (peer gone, "
+            raise TransferError(f"mooncake {op} with {peer} failed with status {status} (peer gone, "
                                 "range not registered there, or timeout)")
         return delay
 

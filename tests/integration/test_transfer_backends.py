@@ -2,7 +2,8 @@
 
 Two engines in this process, and a peer in another process (this file run as a script:
 `python test_transfer_backends.py peer BACKEND`, which registers a buffer, prints
-{endpoint, address, length} and answers `sum` with the sha256 of the buffer).
+{endpoint, address, length}, answers `sum` with the sha256 of the buffer and `fill SEED` by
+filling it with random.Random(SEED).randbytes and printing "ok"). Writes and reads.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import ctypes
 import hashlib
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -163,6 +165,93 @@ def test_unreachable_peer_fails_fast(engines):
     assert time.monotonic() - start < FAST_S
 
 
+def test_read_kv_blocks_between_two_engines(engines):
+    torch = pytest.importorskip("torch")
+    from common.transfer import KVLayout, KVSender
+    a, b = engines
+    torch.manual_seed(0)
+    src = torch.randn(4, 2, 12, 16, 2, 32)
+    dst = torch.zeros(4, 2, 14, 16, 2, 32)
+    ls, ld = KVLayout.of_tensor(src), KVLayout.of_tensor(dst)
+    a.register(ls.base_address, ls.span_bytes)
+    b.register(ld.base_address, ld.span_bytes)
+    src_ids, dst_ids = [0, 1, 2, 5, 9, 10], [3, 4, 5, 0, 12, 13]
+    fetched = KVSender(b, ld).fetch_blocks(a.endpoint, ls, src_ids, dst_ids)
+    assert fetched == 4 * 2 * 6 * ls.block_bytes
+    expected = torch.zeros_like(dst)
+    expected[:, :, dst_ids] = src[:, :, src_ids]
+    assert torch.equal(dst, expected)
+
+
+def test_read_large_odd_and_many_ranges_arrive_exactly(engines):
+    a, b = engines
+    n = 3000  # more ranges than one Mooncake batch to a peer may hold; many per gRPC chunk
+    src, dst = Buffer(os.urandom(9 << 20)), Buffer(bytes(10 << 20))
+    a.register(src.address, 9 << 20)
+    b.register(dst.address, 10 << 20)
+    data = src.bytes()
+    batch = [(dst.address + 1001, src.address + 3, (9 << 20) - 3), (dst.address, src.address, 7)]
+    assert b.read(a.endpoint, batch) == (9 << 20) + 4
+    want = bytearray(10 << 20)
+    want[1001:1001 + (9 << 20) - 3] = data[3:]
+    want[0:7] = data[:7]
+    assert dst.bytes() == bytes(want)
+
+    order = [(i * 7) % n for i in range(n)]
+    assert b.read(a.endpoint, [(dst.address + 64 * j, src.address + 64 * i, 64)
+                               for i, j in enumerate(order)]) == 64 * n
+    for i, j in enumerate(order):
+        want[64 * j:64 * j + 64] = data[64 * i:64 * i + 64]
+    assert dst.bytes() == bytes(want)
+
+
+def test_concurrent_readers(engines):
+    a, b = engines
+    src, dst = Buffer(os.urandom(8 << 20)), Buffer(bytes(8 << 20))
+    a.register(src.address, 8 << 20)
+    b.register(dst.address, 8 << 20)
+    errors = []
+
+    def worker(i: int) -> None:
+        try:
+            off = i << 20
+            b.read(a.endpoint, [(dst.address + off, src.address + off, 1 << 20)])
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and dst.bytes() == src.bytes()
+
+
+def test_read_out_of_range_fails_fast_then_engine_still_works(engines):
+    a, b = engines
+    src, dst = Buffer(os.urandom(4096)), Buffer(bytes(4096))
+    a.register(src.address, 4096)
+    b.register(dst.address, 4096)
+    start = time.monotonic()
+    with pytest.raises(TransferError):
+        b.read(a.endpoint, [(dst.address, src.address + 4000, 200)])
+    assert time.monotonic() - start < FAST_S
+    assert dst.bytes() == bytes(4096)
+    assert b.read(a.endpoint, [(dst.address, src.address, 4096)]) == 4096
+    assert dst.bytes() == src.bytes()
+
+
+def test_read_from_unreachable_peer_fails_fast(engines):
+    a, _ = engines
+    dst = Buffer(bytes(64))
+    a.register(dst.address, 64)
+    start = time.monotonic()
+    with pytest.raises(TransferError):
+        a.read(f"127.0.0.1:{free_port()}", [(dst.address, 0x10000, 64)])
+    assert time.monotonic() - start < FAST_S
+    assert dst.bytes() == bytes(64)
+
+
 class PeerProcess:
     def __init__(self, backend: str):
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -170,6 +259,12 @@ class PeerProcess:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL)
         self.info = json.loads(self.proc.stdout.readline())
+
+    def fill(self, seed: int) -> bytes:
+        self.proc.stdin.write(f"fill {seed}\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == "ok"
+        return random.Random(seed).randbytes(PEER_BYTES)
 
     def checksum(self) -> str:
         self.proc.stdin.write("sum\n")
@@ -209,6 +304,34 @@ def test_write_into_another_process(engines, peer_process):
     assert time.monotonic() - start < FAST_S
 
 
+def test_read_from_another_process(engines, peer_process):
+    a, _ = engines
+    info = peer_process.info
+    peer_bytes = peer_process.fill(seed=11)
+    dst = Buffer(bytes(PEER_BYTES))
+    a.register(dst.address, PEER_BYTES)
+    base = info["address"]
+    batch = [(dst.address + 5, base + 17, 2 << 20), (dst.address + (5 << 19), base + PEER_BYTES - 777, 777)]
+    assert a.read(info["endpoint"], batch) == (2 << 20) + 777
+    want = bytearray(PEER_BYTES)
+    want[5:5 + (2 << 20)] = peer_bytes[17:17 + (2 << 20)]
+    want[5 << 19:(5 << 19) + 777] = peer_bytes[-777:]
+    assert dst.bytes() == bytes(want)
+
+    start = time.monotonic()
+    with pytest.raises(TransferError):
+        a.read(info["endpoint"], [(dst.address, base + PEER_BYTES - 10, 20)])
+    assert time.monotonic() - start < FAST_S
+    assert a.read(info["endpoint"], [(dst.address, base, 4096)]) == 4096
+    assert dst.bytes()[:4096] == peer_bytes[:4096]
+
+    peer_process.stop()
+    start = time.monotonic()
+    with pytest.raises(TransferError):
+        a.read(info["endpoint"], [(dst.address, base, 4096)])
+    assert time.monotonic() - start < FAST_S
+
+
 def test_grpc_receiver_accepts_protobuf_clients():
     import grpc
 
@@ -231,7 +354,7 @@ def test_grpc_receiver_accepts_protobuf_clients():
 
 
 def test_grpc_chunk_codec_matches_protobuf():
-    from common.transfer.grpc_stream import decode_chunk, encode_chunk
+    from common.transfer.grpc_wire import decode_chunk, encode_chunk
     from protos.pdmesh.v1 import transfer_pb2
     payload = Buffer(os.urandom(300))
     for address in (0, 1, 127, 128, 0x7F12_3456_789A, 2**64 - 1):
@@ -245,6 +368,57 @@ def test_grpc_chunk_codec_matches_protobuf():
         decode_chunk(b"\x12\x05hi")
 
 
+def test_grpc_read_serves_protobuf_clients():
+    import grpc
+
+    from common.transfer.grpc_stream import CHANNEL_OPTIONS
+    from protos.pdmesh.v1 import transfer_pb2, transfer_pb2_grpc
+    receiver = create_transfer("grpc")
+    src = Buffer(bytes(range(64)))
+    receiver.register(src.address, 64)
+    Range = transfer_pb2.ReadRange
+    with grpc.insecure_channel(receiver.endpoint, options=CHANNEL_OPTIONS) as channel:
+        stub = transfer_pb2_grpc.KVTransferStub(channel)
+        request = transfer_pb2.ReadRequest(ranges=[Range(remote_address=src.address + 8, length=4),
+                                                   Range(remote_address=src.address, length=0),
+                                                   Range(remote_address=src.address + 60, length=3)],
+                                           chunk_bytes=3)
+        assert [c.data for c in stub.Read(request)] == [bytes([8, 9, 10]), bytes([11, 60, 61]), bytes([62])]
+        bad = transfer_pb2.ReadRequest(ranges=[Range(remote_address=src.address, length=4),
+                                               Range(remote_address=src.address + 62, length=3)])
+        received = []
+        with pytest.raises(grpc.RpcError) as exc:
+            received.extend(stub.Read(bad))
+        assert received == [] and exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (f"ranges[1] ({src.address + 62:#x}, 3 bytes) is not inside a region registered on "
+                f"{receiver.endpoint}: ({src.address:#x}, 64)") == exc.value.details()
+        with pytest.raises(grpc.RpcError) as exc:
+            list(stub.Read(transfer_pb2.ReadRequest(chunk_bytes=1 << 30)))
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "chunk_bytes" in exc.value.details()
+    receiver.close()
+
+
+def test_grpc_read_chunk_codec_matches_protobuf():
+    from common.transfer.grpc_wire import decode_read_chunk, encode_read_chunks, scatter_read_chunks
+    from protos.pdmesh.v1 import transfer_pb2
+    src = Buffer(os.urandom(300))
+    ranges = [(src.address + 10, 100), (src.address, 5), (src.address + 200, 100)]
+    data = src.bytes()[10:110] + src.bytes()[:5] + src.bytes()[200:300]
+    wire = list(encode_read_chunks(ranges, 128))
+    assert wire == [transfer_pb2.ReadChunk(data=data[:128]).SerializeToString(),
+                    transfer_pb2.ReadChunk(data=data[128:]).SerializeToString()]
+    offset, length = decode_read_chunk(wire[1])
+    assert wire[1][offset:offset + length] == data[128:]
+    assert decode_read_chunk(b"\x08\x05" + wire[1]) == (offset + 2, length)  # unknown field skipped
+    dst = Buffer(bytes(205))
+    assert scatter_read_chunks(wire, [(dst.address + 5, 200), (dst.address, 5)]) == 205
+    assert dst.bytes() == data[200:] + data[:200]
+    with pytest.raises(ValueError, match="more than the 200 bytes requested"):
+        scatter_read_chunks(wire, [(dst.address, 200)])
+    with pytest.raises(ValueError, match="truncated ReadChunk"):
+        decode_read_chunk(b"\x0a\x05hi")
+
+
 def serve_peer(backend: str) -> None:
     engine = create_transfer(backend)
     buf = Buffer(bytes(PEER_BYTES))
@@ -252,9 +426,14 @@ def serve_peer(backend: str) -> None:
     print(json.dumps({"endpoint": engine.endpoint, "address": buf.address, "length": PEER_BYTES}),
           flush=True)
     for line in sys.stdin:
-        if line.strip() != "sum":
+        command = line.split()
+        if command == ["sum"]:
+            print(hashlib.sha256(buf.bytes()).hexdigest(), flush=True)
+        elif command[:1] == ["fill"]:
+            ctypes.memmove(buf.address, random.Random(int(command[1])).randbytes(PEER_BYTES), PEER_BYTES)
+            print("ok", flush=True)
+        else:
             break
-        print(hashlib.sha256(buf.bytes()).hexdigest(), flush=True)
     engine.close()
 
 

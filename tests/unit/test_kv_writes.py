@@ -1,4 +1,5 @@
-"""KVLayout address arithmetic, plan_block_writes' exact writes, KVSender over the fake engine."""
+"""KVLayout address arithmetic, plan_block_writes' exact writes and plan_block_reads' exact reads,
+KVSender pushing and fetching over the fake engine."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -6,7 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from common.transfer import KVLayout, KVSender, TransferError, block_runs, plan_block_writes
+from common.transfer import (KVLayout, KVSender, TransferError, block_runs, plan_block_reads,
+                             plan_block_writes)
 from common.transfer.fake import FakeTransfer
 
 BB = 256  # block_bytes of the layouts below: block_size 4 x 2 heads x head_dim 8 x 4 bytes
@@ -109,6 +111,42 @@ def test_plan_validates(src_ids, dst_ids, layers, match):
         plan_block_writes(SRC, DST, src_ids, dst_ids, layers)
 
 
+def test_plan_reads_are_the_writes_with_local_and_remote_swapped():
+    # SRC is the peer's cache, DST the local one: each range is (local dst, remote src, length)
+    reads = plan_block_reads(SRC, DST, [0, 1, 3, 4], [4, 5, 6, 9], layers=[1])
+    assert reads == [
+        (0x80000 + 5120 + 4 * BB, 0x10000 + 4096, 2 * BB),
+        (0x80000 + 5120 + 6 * BB, 0x10000 + 4096 + 3 * BB, BB),
+        (0x80000 + 5120 + 9 * BB, 0x10000 + 4096 + 4 * BB, BB),
+        (0x80000 + 5120 + 2560 + 4 * BB, 0x10000 + 4096 + 2048, 2 * BB),
+        (0x80000 + 5120 + 2560 + 6 * BB, 0x10000 + 4096 + 2048 + 3 * BB, BB),
+        (0x80000 + 5120 + 2560 + 9 * BB, 0x10000 + 4096 + 2048 + 4 * BB, BB),
+    ]
+    assert plan_block_reads(SRC, DST, [0, 1, 2], [5, 6, 7]) == [
+        (0x80000 + 5 * BB, 0x10000, 3 * BB),
+        (0x80000 + 2560 + 5 * BB, 0x10000 + 2048, 3 * BB),
+        (0x80000 + 5120 + 5 * BB, 0x10000 + 4096, 3 * BB),
+        (0x80000 + 5120 + 2560 + 5 * BB, 0x10000 + 4096 + 2048, 3 * BB),
+    ]
+
+
+@pytest.mark.parametrize("src_ids, dst_ids, layers, match", [
+    ([8], [0], None, r"src_block_ids \[8\] outside \[0, 8\)"),
+    ([0], [10], None, r"dst_block_ids \[10\] outside \[0, 10\)"),
+    ([0, 1], [3, 3], None, "dst_block_ids has duplicates"),
+    ([0], [0], [2], r"layers \[2\] outside \[0, 2\)"),
+])
+def test_plan_reads_validate(src_ids, dst_ids, layers, match):
+    with pytest.raises(ValueError, match=match):
+        plan_block_reads(SRC, DST, src_ids, dst_ids, layers)
+
+
+def test_plan_reads_name_local_then_peer_values():
+    peer = layout(head_dim=16, strides=(8192, 4096, 512, 128, 64, 4))
+    with pytest.raises(ValueError, match=r"\(local vs peer\): head_dim 8 != 16"):
+        plan_block_reads(peer, DST, [0], [0])
+
+
 @pytest.fixture
 def fake_pair():
     a, b = FakeTransfer(), FakeTransfer()
@@ -162,3 +200,50 @@ def test_sender_failure_is_transfer_error_and_copies_nothing(fake_pair):
         KVSender(a, ls).send_blocks(b.endpoint, ld, [0, 1], [0, 1])
     assert not dst.any() and a.num_writes == 0
     assert KVSender(a, ls).send_blocks(b.endpoint, ld, [0, 1], [0, 1]) == 3 * 2 * 2 * BB
+
+
+def test_fetch_pulls_exactly_the_requested_blocks(fake_pair):
+    a, b = fake_pair
+    src, dst, ls, ld = kv_pair(a, b)
+    fetched = KVSender(b, ld).fetch_blocks(a.endpoint, ls, [1, 2, 4], [7, 0, 1])
+    assert fetched == 3 * 3 * 2 * BB
+    assert (b.num_reads, b.num_bytes_read, b.num_writes, a.num_reads) == (1, fetched, 0, 0)
+    expected = torch.zeros_like(dst)
+    expected[:, :, [7, 0, 1]] = src[:, :, [1, 2, 4]]
+    assert torch.equal(dst, expected)
+
+
+def test_fetch_some_layers_merges_runs(fake_pair):
+    a, b = fake_pair
+    src, dst, ls, ld = kv_pair(a, b)
+    assert KVSender(b, ld).fetch_blocks(a.endpoint, ls, [0, 1, 2], [3, 4, 5], layers=[2]) == 2 * 3 * BB
+    expected = torch.zeros_like(dst)
+    expected[2, :, 3:6] = src[2, :, 0:3]
+    assert torch.equal(dst, expected)
+
+
+def test_fetch_with_no_blocks_reads_nothing(fake_pair):
+    a, b = fake_pair
+    _, _, ls, ld = kv_pair(a, b)
+    assert KVSender(b, ld).fetch_blocks(a.endpoint, ls, [], []) == 0
+    assert b.num_reads == 0
+
+
+def test_fetch_rejects_incompatible_layout_before_reading(fake_pair):
+    a, b = fake_pair
+    _, _, _, ld = kv_pair(a, b)
+    other = KVLayout.of_tensor(torch.zeros(3, 2, 6, 4, 2, 16))
+    with pytest.raises(ValueError, match="head_dim 8 != 16"):
+        KVSender(b, ld).fetch_blocks(a.endpoint, other, [0], [0])
+    assert b.num_reads == 0
+
+
+def test_fetch_failure_is_transfer_error_and_copies_nothing(fake_pair):
+    a, b = fake_pair
+    src, dst, ls, ld = kv_pair(a, b)
+    b.fail_next()
+    with pytest.raises(TransferError, match="injected"):
+        KVSender(b, ld).fetch_blocks(a.endpoint, ls, [0, 1], [0, 1])
+    assert not dst.any() and b.num_reads == 0
+    assert KVSender(b, ld).fetch_blocks(a.endpoint, ls, [0, 1], [0, 1]) == 3 * 2 * 2 * BB
+    assert torch.equal(dst[:, :, :2], src[:, :, :2]) and not dst[:, :, 2:].any()

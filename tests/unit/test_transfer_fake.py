@@ -1,4 +1,5 @@
-"""FakeTransfer semantics (range checks, fault injection, counters) and the backend registry."""
+"""FakeTransfer semantics for writes and reads (range checks, fault injection, counters) and
+the backend registry."""
 from __future__ import annotations
 
 import ctypes
@@ -110,6 +111,62 @@ def test_concurrent_writes_all_land_and_count(pair):
         t.join()
     assert (a.num_writes, a.num_bytes) == (400, 400 * 64)
     assert dst.bytes()[:512] == src.bytes()[:512]
+
+
+def test_read_copies_ranges_and_counts(pair):
+    a, b, src, dst = pair
+    n = b.read(a.endpoint, [(dst.address + 100, src.address, 10), (dst.address, src.address + 500, 4)])
+    assert n == 14
+    want = bytearray(1024)
+    want[100:110] = src.bytes()[:10]
+    want[0:4] = src.bytes()[500:504]
+    assert dst.bytes() == bytes(want)
+    assert src.bytes() == bytes(range(256)) * 4
+    assert (b.num_reads, b.num_bytes_read, b.num_writes, b.num_bytes) == (1, 14, 0, 0)
+    assert (a.num_reads, a.num_writes) == (0, 0)
+
+
+@pytest.mark.parametrize("local_off, remote_off, length, match", [
+    (0, 1020, 8, "remote range .* not registered"),
+    (1020, 0, 8, "local range .* not registered"),
+    (0, 0, -1, "negative length"),
+])
+def test_read_out_of_range_is_transfer_error_and_copies_nothing(pair, local_off, remote_off, length, match):
+    a, b, src, dst = pair
+    batch = [(dst.address, src.address, 4), (dst.address + local_off, src.address + remote_off, length)]
+    with pytest.raises(TransferError, match=match):
+        b.read(a.endpoint, batch)
+    assert dst.bytes() == bytes(1024) and (b.num_reads, b.num_bytes_read) == (0, 0)
+
+
+def test_read_from_unknown_peer_is_unreachable(pair):
+    _, b, src, dst = pair
+    with pytest.raises(TransferError, match="unreachable"):
+        b.read("fake:999999", [(dst.address, src.address, 4)])
+
+
+def test_faults_apply_to_reads_and_share_the_queue_with_writes(pair):
+    a, b, src, dst = pair
+    read = [(dst.address, src.address, 4)]
+    b.fail_next(2)
+    b.fail_next(error=TimeoutError("slow"))
+    with pytest.raises(TransferError, match="injected"):
+        b.read(a.endpoint, read)
+    with pytest.raises(TransferError, match="injected"):
+        b.write(a.endpoint, [(dst.address, src.address, 4)])
+    with pytest.raises(TimeoutError, match="slow"):
+        b.read(a.endpoint, read)
+    b.fail_peer(a.endpoint)
+    with pytest.raises(TransferError, match=f"peer {a.endpoint} unreachable"):
+        b.read(a.endpoint, read)
+    assert dst.bytes() == bytes(1024) and src.bytes() == bytes(range(256)) * 4
+    assert (b.num_reads, b.num_writes) == (0, 0)
+    b.heal_peer(a.endpoint)
+    b.delay_s = 0.05
+    start = time.perf_counter()
+    assert b.read(a.endpoint, read) == 4
+    assert time.perf_counter() - start >= 0.05
+    assert dst.bytes()[:4] == bytes([0, 1, 2, 3]) and (b.num_reads, b.num_bytes_read) == (1, 4)
 
 
 def test_register_validates():

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdmesh/v1/transfer.proto\x12\tpdmesh.v1\"2\n\nWriteChunk\x12\x16\n\x0eremote_address\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"!\n\x08WriteAck\x12\x15\n\rbytes_written\x18\x01 \x01(\x03\x32\x43\n\nKVTransfer\x12\x35\n\x05Write\x12\x15.pdmesh.v1.WriteChunk\x1a\x13.pdmesh.v1.WriteAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdmesh/v1/transfer.proto\x12\tpdmesh.v1\"2\n\nWriteChunk\x12\x16\n\x0eremote_address\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"!\n\x08WriteAck\x12\x15\n\rbytes_written\x18\x01 \x01(\x03\"3\n\tReadRange\x12\x16\n\x0eremote_address\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"H\n\x0bReadRequest\x12$\n\x06ranges\x18\x01 \x03(\x0b\x32\x14.pdmesh.v1.ReadRange\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\"\x19\n\tReadChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x32{\n\nKVTransfer\x12\x35\n\x05Write\x12\x15.pdmesh.v1.WriteChunk\x1a\x13.pdmesh.v1.WriteAck(\x01\x12\x36\n\x04Read\x12\x16.pdmesh.v1.ReadRequest\x1a\x14.pdmesh.v1.ReadChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,6 +35,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WRITECHUNK']._serialized_end=89
   _globals['_WRITEACK']._serialized_start=91
   _globals['_WRITEACK']._serialized_end=124
-  _globals['_KVTRANSFER']._serialized_start=126
-  _globals['_KVTRANSFER']._serialized_end=193
+  _globals['_READRANGE']._serialized_start=126
+  _globals['_READRANGE']._serialized_end=177
+  _globals['_READREQUEST']._serialized_start=179
+  _globals['_READREQUEST']._serialized_end=251
+  _globals['_READCHUNK']._serialized_start=253
+  _globals['_READCHUNK']._serialized_end=278
+  _globals['_KVTRANSFER']._serialized_start=280
+  _globals['_KVTRANSFER']._serialized_end=403
 # @@protoc_insertion_point(module_scope)

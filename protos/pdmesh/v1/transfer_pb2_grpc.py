@@ -26,8 +26,8 @@ if _version_not_supported:
 
 
 class KVTransferStub:
-    """The `grpc` transfer backend: one-sided writes carried by a client stream into the
-    receiver's registered memory. For hosts where Mooncake cannot be installed.
+    """The `grpc` transfer backend: one-sided writes into, and reads out of, the receiver's
+    registered memory. For hosts where Mooncake cannot be installed.
     """
 
     def __init__(self, channel):
@@ -41,15 +41,28 @@ class KVTransferStub:
                 request_serializer=pdmesh_dot_v1_dot_transfer__pb2.WriteChunk.SerializeToString,
                 response_deserializer=pdmesh_dot_v1_dot_transfer__pb2.WriteAck.FromString,
                 _registered_method=True)
+        self.Read = channel.unary_stream(
+                '/pdmesh.v1.KVTransfer/Read',
+                request_serializer=pdmesh_dot_v1_dot_transfer__pb2.ReadRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_transfer__pb2.ReadChunk.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
-    """The `grpc` transfer backend: one-sided writes carried by a client stream into the
-    receiver's registered memory. For hosts where Mooncake cannot be installed.
+    """The `grpc` transfer backend: one-sided writes into, and reads out of, the receiver's
+    registered memory. For hosts where Mooncake cannot be installed.
     """
 
     def Write(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Read(self, request, context):
+        """INVALID_ARGUMENT, before any chunk, if a range is not inside one registered region or
+        chunk_bytes is too large.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -62,6 +75,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     request_deserializer=pdmesh_dot_v1_dot_transfer__pb2.WriteChunk.FromString,
                     response_serializer=pdmesh_dot_v1_dot_transfer__pb2.WriteAck.SerializeToString,
             ),
+            'Read': grpc.unary_stream_rpc_method_handler(
+                    servicer.Read,
+                    request_deserializer=pdmesh_dot_v1_dot_transfer__pb2.ReadRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_transfer__pb2.ReadChunk.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'pdmesh.v1.KVTransfer', rpc_method_handlers)
@@ -71,8 +89,8 @@ def add_KVTransferServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KVTransfer:
-    """The `grpc` transfer backend: one-sided writes carried by a client stream into the
-    receiver's registered memory. For hosts where Mooncake cannot be installed.
+    """The `grpc` transfer backend: one-sided writes into, and reads out of, the receiver's
+    registered memory. For hosts where Mooncake cannot be installed.
     """
 
     @staticmethod
@@ -92,6 +110,33 @@ class KVTransfer:
             '/pdmesh.v1.KVTransfer/Write',
             pdmesh_dot_v1_dot_transfer__pb2.WriteChunk.SerializeToString,
             pdmesh_dot_v1_dot_transfer__pb2.WriteAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Read(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdmesh.v1.KVTransfer/Read',
+            pdmesh_dot_v1_dot_transfer__pb2.ReadRequest.SerializeToString,
+            pdmesh_dot_v1_dot_transfer__pb2.ReadChunk.FromString,
             options,
             channel_credentials,
             insecure,
