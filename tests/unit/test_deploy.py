@@ -53,7 +53,7 @@ def mesh(parsed):
 
 def test_every_command_parses_and_names_a_known_node(parsed, mesh):
     roles = sorted(args.role for args in parsed.values() if args.command == "serve")
-    assert roles == sorted(["meta-server", "gateway", *(n.role for n in mesh.nodes)])
+    assert roles == sorted(["meta-server", "gateway", "kv-store", *(n.role for n in mesh.nodes)])
     for name, args in parsed.items():
         if args.command == "serve":
             assert args.port is None and args.meta == "", f"{name}: ports come from the config"
@@ -91,7 +91,7 @@ def test_model_is_made_into_the_volume_every_service_reads(services, parsed, mes
     args = parsed[maker]
     assert args.out == mesh.model and args.arch == mesh.tiny_arch and args.if_missing
     for name, a in parsed.items():
-        if a.command == "serve" and a.role != "meta-server":
+        if a.command == "serve" and a.role not in ("meta-server", "kv-store"):  # those need no model
             mounts = [v.split(":")[1] for v in services[name]["volumes"]]
             assert any(mesh.model.startswith(m.rstrip("/") + "/") for m in mounts), name
             assert services[name]["depends_on"][maker]["condition"] == "service_completed_successfully"
@@ -101,9 +101,10 @@ def test_local_yaml_loads_with_distinct_fixed_ports():
     mesh = load_mesh_config(str(LOCAL))
     assert mesh.tiny_arch == "llama" and mesh.model == "models/tiny-llama"
     assert sorted(n.role for n in mesh.nodes) == ["decode", "prefill"]
-    ports = [mesh.meta.port, mesh.gateway.port, *(n.port for n in mesh.nodes)]
+    ports = [mesh.meta.port, mesh.gateway.port, mesh.kv_store.port, *(n.port for n in mesh.nodes)]
     assert len(set(ports)) == len(ports) and all(p > 0 for p in ports)
-    hosts = {mesh.meta.host, mesh.gateway.host, mesh.transfer.hostname, *(n.host for n in mesh.nodes)}
+    hosts = {mesh.meta.host, mesh.gateway.host, mesh.transfer.hostname, mesh.kv_store.host,
+             *(n.host for n in mesh.nodes)}
     assert hosts == {"127.0.0.1"}
     assert mesh.transfer.backend == "mooncake" and mesh.transfer.protocol == "tcp"
     mesh.engine_config()  # engine fields are valid
@@ -123,5 +124,14 @@ def test_etcd_service_is_what_the_mesh_points_at(services, parsed, mesh):
     assert env["ETCD_LISTEN_CLIENT_URLS"].endswith(f":{port}")
     assert env["ETCD_ADVERTISE_CLIENT_URLS"] == f"http://{host}:{port}"
     for name, args in parsed.items():
-        if args.command == "serve" and args.role != "gateway":
+        if args.command == "serve" and args.role not in ("gateway", "kv-store"):  # no etcd use
             assert host in services[name]["depends_on"], f"{name} starts after etcd"
+
+
+def test_kv_store_service_and_its_redis_are_what_the_mesh_points_at(services, parsed, mesh):
+    [store] = [n for n, a in parsed.items() if a.command == "serve" and a.role == "kv-store"]
+    assert mesh.kv_store.address == f"{store}:{mesh.kv_store.port}"
+    assert mesh.kv_store.host in ("0.0.0.0", store)
+    redis_host, redis_port = mesh.kv_store.redis_url.removeprefix("redis://").split("/")[0].split(":")
+    assert redis_host in services and redis_host not in parsed, "redis_url names the redis service"
+    assert redis_port == "6379" and redis_host in services[store]["depends_on"]
