@@ -3,8 +3,9 @@
 Order: meta-server -> kv-store (when configured) -> engine nodes -> gateway. Port 0 in the config means "pick a free
 port"; the choice is passed to each process with --port / --meta. Each start waits for
 grpc.health.v1 SERVING (and, for engine nodes, for their registration at the
-meta-server) and prints one status line per service. `stop` sends SIGTERM to all and
-SIGKILL to whatever is still alive after the grace period.
+meta-server) and prints one status line per service. `stop` sends SIGTERM tier by tier
+(gateway, engine nodes, kv-store, meta-servers) and SIGKILL to whatever outlives the grace
+period.
 """
 from __future__ import annotations
 
@@ -181,18 +182,24 @@ class MeshProcesses:
             proc.wait(timeout=30)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        running = [s for s in self.services.values() if s.process is not None and s.process.poll() is None]
-        for svc in reversed(running):
-            try:
-                os.killpg(svc.process.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + grace_s
-        for svc in reversed(running):
-            try:
-                svc.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-                self._say(f"{svc.name:<12} stopped")
-            except subprocess.TimeoutExpired:
-                os.killpg(svc.process.pid, signal.SIGKILL)
-                svc.process.wait()
-                self._say(f"{svc.name:<12} killed after {grace_s:.0f}s")
+        """SIGTERM in tiers, each waited for: gateway, engine nodes, kv-store, meta-servers,
+        so that nothing loses a peer it is still talking to (a node finishing a kv-store
+        put, deregistering from the meta-server). SIGKILL past grace_s per tier."""
+        tiers = [["gateway"], ["prefill", "decode", "both"], ["kv-store"], ["meta-server"]]
+        for roles in tiers:
+            running = [s for s in self.services.values() if s.role in roles
+                       and s.process is not None and s.process.poll() is None]
+            for svc in reversed(running):
+                try:
+                    os.killpg(svc.process.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + grace_s
+            for svc in reversed(running):
+                try:
+                    svc.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                    self._say(f"{svc.name:<12} stopped")
+                except subprocess.TimeoutExpired:
+                    os.killpg(svc.process.pid, signal.SIGKILL)
+                    svc.process.wait()
+                    self._say(f"{svc.name:<12} killed after {grace_s:.0f}s")

@@ -31,7 +31,7 @@ def write_config(tmp_path: Path, model: Path, *, bind_any: bool = False) -> Path
     raw = yaml.safe_load((ROOT / "deploy" / "local.yaml").read_text())
     raw["model"] = str(model)
     raw["engine"]["num_blocks"] = 256
-    for section in (raw["meta_server"], raw["gateway"], *raw["nodes"]):
+    for section in (raw["meta_server"], raw["gateway"], raw["kv_store"], *raw["nodes"]):
         section["port"] = 0
         if bind_any:
             section["host"] = "0.0.0.0"
@@ -107,7 +107,7 @@ def assert_all_gone(up: Up, names: list[str]) -> None:
         assert any(line.startswith(name) and line.endswith("stopped") for line in up.lines), name
 
 
-SERVICES = ["meta-server", "prefill-0", "decode-0", "gateway"]
+SERVICES = ["meta-server", "kv-store", "prefill-0", "decode-0", "gateway"]
 
 
 @pytest.fixture(scope="module")
