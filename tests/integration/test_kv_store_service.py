@@ -1,0 +1,181 @@
+"""The kv-store as a process (`pdmesh serve kv-store`), driven over real gRPC by a client
+with its own Mooncake (TCP) engine and KV cache, with a real Redis: watermark eviction,
+pins, reservation expiry, bytes through Redis, key-space isolation and status codes."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+import yaml
+
+from common.hashing import hash_block_chain, layout_key
+from common.transfer import create_transfer
+from common.transfer.kv_writes import KVSender
+from common.transfer.layout import KVLayout
+from protos.pdmesh.v1 import kv_store_pb2 as pb
+from protos.pdmesh.v1 import kv_store_pb2_grpc
+from services.launcher import wait_healthy
+from tests.etcd_server import free_port
+from tests.redis_server import RedisServer
+
+ROOT = Path(__file__).resolve().parents[2]
+BS, LAYERS, HEADS, DIM = 16, 2, 2, 16
+SLOT_BYTES = LAYERS * 2 * BS * HEADS * DIM * 4              # 8 KiB per block
+NUM_SLOTS = 10                                              # high 8, low 5
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory):
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, redis):
+    root = tmp_path_factory.mktemp("kv-store")
+    port = free_port()
+    raw = {"model": str(root / "unused"), "transfer": {"backend": "mooncake"},
+           "kv_store": {"port": port, "capacity_mb": NUM_SLOTS * SLOT_BYTES / (1 << 20), "max_spaces": 3,
+                        "high_watermark": 0.8, "low_watermark": 0.5, "reserve_ttl_s": 2.0,
+                        "pin_ttl_s": 30.0, "redis_url": redis.url}}
+    (root / "mesh.yaml").write_text(yaml.safe_dump(raw))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with open(root / "kv-store.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "kv-store", "--config",
+                                 str(root / "mesh.yaml")], stdout=log, stderr=subprocess.STDOUT, env=env)
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_healthy(address, 60, proc)
+        with grpc.insecure_channel(address) as channel:
+            yield kv_store_pb2_grpc.KVStoreStub(channel)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+class Node:
+    """A client node: a KV cache of 32 blocks with known contents, on Mooncake."""
+
+    def __init__(self, model_id: str = "m", dtype=torch.float32):
+        self.kv = torch.arange(LAYERS * 2 * 32 * BS * HEADS * DIM, dtype=torch.float32).to(dtype)
+        self.kv = self.kv.view(LAYERS, 2, 32, BS, HEADS, DIM).clone()
+        self.transfer = create_transfer("mooncake", hostname="127.0.0.1")
+        self.transfer.register(self.kv.data_ptr(), self.kv.numel() * self.kv.element_size())
+        self.layout = KVLayout.of_tensor(self.kv)
+        self.sender = KVSender(self.transfer, self.layout)
+        self.space = pb.KeySpace(model_id=model_id, layout=self.layout.to_proto())
+        self.model_id = model_id
+
+    def chain(self, tokens: list[int]) -> list[bytes]:
+        return hash_block_chain(tokens, BS, self.model_id, layout_key(self.layout))
+
+    def put(self, stub, tokens: list[int], block_ids: list[int], commit: bool = True) -> pb.ReservePutResponse:
+        reply = stub.ReservePut(pb.ReservePutRequest(space=self.space, block_hashes=self.chain(tokens),
+                                                     token_ids=tokens), timeout=5)
+        if reply.put_id:
+            self.sender.send_blocks(reply.region.transfer_endpoint, KVLayout.from_proto(reply.region.layout),
+                                    [block_ids[i] for i in reply.indices], list(reply.slot_ids))
+            if commit:
+                stub.CommitPut(pb.CommitPutRequest(put_id=reply.put_id), timeout=5)
+        return reply
+
+    def pin(self, stub, tokens: list[int]) -> pb.PinGetResponse:
+        return stub.PinGet(pb.PinGetRequest(space=self.space, block_hashes=self.chain(tokens),
+                                            token_ids=tokens), timeout=5)
+
+    def lookup(self, stub, tokens: list[int]) -> pb.LookupResponse:
+        return stub.Lookup(pb.LookupRequest(space=self.space, block_hashes=self.chain(tokens)), timeout=5)
+
+    def fetch(self, reply: pb.PinGetResponse, block_ids: list[int]) -> None:
+        self.sender.fetch_blocks(reply.region.transfer_endpoint, KVLayout.from_proto(reply.region.layout),
+                                 list(reply.slot_ids), block_ids)
+
+    def close(self) -> None:
+        self.transfer.close()
+
+
+def seq(start: int, blocks: int = 1) -> list[int]:
+    return list(range(start, start + blocks * BS))
+
+
+def test_store_service_end_to_end(store, redis):
+    a, other_model = Node("m"), Node("other")
+    try:
+        stats0 = store.Stats(pb.StatsRequest(), timeout=5)
+        # fill to the high watermark (8 of 10 slots), one block per put, in LRU order 0..7
+        for i in range(8):
+            assert list(a.put(store, seq(1000 * (i + 1)), [i]).slot_ids) == [i]
+        assert store.Stats(pb.StatsRequest(), timeout=5).evictions == stats0.evictions
+        pinned = a.pin(store, seq(1000))                              # block 0: pinned, most recent
+        assert list(pinned.slot_ids) == [0]
+        # one more block passes the high watermark: LRU unpinned 1, 2, 3, 4 go, down to 5 used
+        a.put(store, seq(9000), [8])
+        stats = store.Stats(pb.StatsRequest(), timeout=5)
+        assert stats.evictions - stats0.evictions == 4 and stats.blocks_used == 5
+        assert [a.lookup(store, seq(1000 * (i + 1))).num_memory_hits for i in range(8)] == [1, 0, 0, 0, 0, 1, 1, 1]
+        store.Release(pb.ReleaseRequest(pin_id=pinned.pin_id), timeout=5)
+
+        # the evicted blocks come back from Redis with identical bytes
+        deadline = time.monotonic() + 5
+        while a.lookup(store, seq(2000)).num_hits != 1:
+            assert time.monotonic() < deadline, "block 1 never reached Redis"
+            time.sleep(0.05)
+        back = a.pin(store, seq(2000))
+        assert back.num_promoted == 1 and len(back.slot_ids) == 1
+        a.fetch(back, [20])
+        assert torch.equal(a.kv[:, :, 20], a.kv[:, :, 1])
+        store.Release(pb.ReleaseRequest(pin_id=back.pin_id), timeout=5)
+
+        # another model never sees these blocks, even when it sends the same hashes
+        reply = store.PinGet(pb.PinGetRequest(space=other_model.space, block_hashes=a.chain(seq(1000)),
+                                              token_ids=seq(1000)), timeout=5)
+        assert reply.pin_id == "" and list(reply.slot_ids) == []
+
+        # a reservation never committed expires (reserve_ttl_s 2 s): its commit is NOT_FOUND
+        late = a.put(store, seq(50000), [9], commit=False)
+        assert late.put_id
+        time.sleep(2.8)
+        with pytest.raises(grpc.RpcError) as err:
+            store.CommitPut(pb.CommitPutRequest(put_id=late.put_id), timeout=5)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert a.lookup(store, seq(50000)).num_hits == 0
+        assert store.Stats(pb.StatsRequest(), timeout=5).expired_reservations >= 1
+    finally:
+        a.close()
+        other_model.close()
+
+
+def test_bad_requests_get_status_codes(store):
+    node = Node("codes")
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            store.ReservePut(pb.ReservePutRequest(space=node.space, block_hashes=[b"x"], token_ids=seq(0)), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "block_hashes[0]" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            store.PinGet(pb.PinGetRequest(space=node.space, block_hashes=node.chain(seq(0)), token_ids=[1]), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            store.Lookup(pb.LookupRequest(space=pb.KeySpace(model_id="m"), block_hashes=[]), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "space.layout" in err.value.details()
+        # max_spaces is 3: new models get key spaces until the fourth is refused
+        codes = []
+        for i in range(4):
+            extra = Node(f"space-{i}")
+            try:
+                extra.put(store, seq(0), [0])
+                codes.append("OK")
+            except grpc.RpcError as e:
+                codes.append(e.code().name)
+            finally:
+                extra.close()
+        assert codes.count("RESOURCE_EXHAUSTED") >= 1
+        assert codes[codes.index("RESOURCE_EXHAUSTED"):] == ["RESOURCE_EXHAUSTED"] * (4 - codes.index("RESOURCE_EXHAUSTED"))
+        assert store.Stats(pb.StatsRequest(), timeout=5).num_spaces == 3
+    finally:
+        node.close()
