@@ -11,18 +11,14 @@ Debian's etcd-server when running as root).
 """
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.server_process import ServerProcess, free_port
 
 ETCD_BINARY = os.environ.get("PDMESH_ETCD_BINARY", "etcd")
 
@@ -38,29 +34,20 @@ def require_etcd() -> str:
     return path
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class EtcdServer:
+class EtcdServer(ServerProcess):
     """One etcd process; `endpoint` is "127.0.0.1:<client port>" (aetcd style)."""
+
+    log_name = "etcd.log"
 
     def __init__(self, root: str | Path | None = None, name: str = "t"):
         self.binary = require_etcd()
-        self._own_root = root is None
-        self.root = Path(root or tempfile.mkdtemp(prefix="pdmesh-etcd-"))
-        self.root.mkdir(parents=True, exist_ok=True)
+        super().__init__(root, "pdmesh-etcd-")
         self.data_dir = self.root / "data"
         self.name = name
         self.client_port = free_port()
         self.peer_port = free_port()
         while self.peer_port == self.client_port:
             self.peer_port = free_port()
-        self._proc: subprocess.Popen | None = None
-        self._log = None
-        atexit.register(self.close)
 
     @property
     def endpoint(self) -> str:
@@ -70,10 +57,6 @@ class EtcdServer:
     def url(self) -> str:
         return f"http://{self.endpoint}"
 
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
     def command(self) -> list[str]:
         peer = f"http://127.0.0.1:{self.peer_port}"
         return [self.binary, "--name", self.name, "--data-dir", str(self.data_dir),
@@ -82,55 +65,12 @@ class EtcdServer:
                 "--initial-cluster", f"{self.name}={peer}", "--initial-cluster-state", "new",
                 "--heartbeat-interval=10", "--election-timeout=100"]
 
-    def start(self, timeout_s: float = 15.0) -> "EtcdServer":
-        """Start (or restart) etcd on the same ports and data dir; returns once healthy."""
-        if self.running:
-            return self
-        self._log = open(self.root / "etcd.log", "ab")
-        self._proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self._proc.returncode}; see {self.root / 'etcd.log'}")
-            if self.healthy():
-                return self
-            time.sleep(0.05)
-        self.stop()
-        raise TimeoutError(f"etcd not healthy after {timeout_s}s; see {self.root / 'etcd.log'}")
-
     def healthy(self) -> bool:
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
                 return resp.status == 200 and b'"true"' in resp.read()
         except OSError:
             return False
-
-    def stop(self, kill: bool = False) -> None:
-        """SIGTERM (SIGKILL with kill=True, or after 10 s) and wait; the data dir is kept."""
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def close(self) -> None:
-        """Stop and remove the data dir when this object made it."""
-        self.stop()
-        if self._own_root:
-            shutil.rmtree(self.root, ignore_errors=True)
-
-    def __enter__(self) -> "EtcdServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 @pytest.fixture

@@ -85,51 +85,37 @@ class RedisTier:
             log.warning("Redis at %s is back", self.url)
         self.up = True
 
-    async def spill(self, items: Sequence[tuple[str, bytes]]) -> int:
-        """SET each (key, value); returns how many were written (0 when Redis is down)."""
-        if not items or not self._available():
-            return 0
+    async def _pipelined(self, what: str, commands: Sequence[tuple[str, tuple]], default) -> list:
+        """Run the (method, args) commands in one round trip; [default] * n when Redis is
+        down or fails (then marked down)."""
+        if not commands or not self._available():
+            return [default] * len(commands)
         try:
             async with self._client.pipeline(transaction=False) as pipe:
-                for key, value in items:
-                    pipe.set(key, value, px=int(self.ttl_s * 1000) or None)
-                await pipe.execute()
+                for method, args in commands:
+                    getattr(pipe, method)(*args)
+                results = await pipe.execute()
         except Exception as exc:  # redis.RedisError, OSError, timeouts: all mean "down"
-            self._failed("spill", exc)
-            return 0
+            self._failed(what, exc)
+            return [default] * len(commands)
         self._ok()
-        self.num_spilled += len(items)
-        return len(items)
+        return results
+
+    async def spill(self, items: Sequence[tuple[str, bytes]]) -> int:
+        """SET each (key, value); returns how many were written (0 when Redis is down)."""
+        px = int(self.ttl_s * 1000) or None
+        done = await self._pipelined("spill", [("set", (k, v, None, px)) for k, v in items], False)
+        written = sum(1 for ok in done if ok)
+        self.num_spilled += written
+        return written
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is held; all False when Redis is down."""
-        if not keys or not self._available():
-            return [False] * len(keys)
-        try:
-            async with self._client.pipeline(transaction=False) as pipe:
-                for key in keys:
-                    pipe.exists(key)
-                found = await pipe.execute()
-        except Exception as exc:
-            self._failed("exists", exc)
-            return [False] * len(keys)
-        self._ok()
-        return [bool(n) for n in found]
+        return [bool(n) for n in await self._pipelined("exists", [("exists", (k,)) for k in keys], 0)]
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """Each key's value (None when absent); all None when Redis is down."""
-        if not keys or not self._available():
-            return [None] * len(keys)
-        try:
-            async with self._client.pipeline(transaction=False) as pipe:
-                for key in keys:
-                    pipe.get(key)
-                values = await pipe.execute()
-        except Exception as exc:
-            self._failed("get", exc)
-            return [None] * len(keys)
-        self._ok()
-        return values
+        return await self._pipelined("get", [("get", (k,)) for k in keys], None)
 
     async def close(self) -> None:
         try:

@@ -21,7 +21,7 @@ from common.transfer.layout import KVLayout
 from protos.pdmesh.v1 import kv_store_pb2 as pb
 from protos.pdmesh.v1 import kv_store_pb2_grpc
 from services.launcher import wait_healthy
-from tests.etcd_server import free_port
+from tests.server_process import free_port
 from tests.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
