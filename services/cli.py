@@ -19,6 +19,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "services.cli_serve",
     "services.cli_up",
     "services.cli_admin",
+    "services.cli_kv_store",
 )
 
 

@@ -3,6 +3,7 @@ with its own Mooncake (TCP) engine and KV cache, with a real Redis: watermark ev
 pins, reservation expiry, bytes through Redis, key-space isolation and status codes."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -53,7 +54,9 @@ def store(tmp_path_factory, redis):
     try:
         wait_healthy(address, 60, proc)
         with grpc.insecure_channel(address) as channel:
-            yield kv_store_pb2_grpc.KVStoreStub(channel)
+            stub = kv_store_pb2_grpc.KVStoreStub(channel)
+            stub.address = address
+            yield stub
     finally:
         proc.terminate()
         proc.wait(timeout=15)
@@ -179,3 +182,13 @@ def test_bad_requests_get_status_codes(store):
         assert store.Stats(pb.StatsRequest(), timeout=5).num_spaces == 3
     finally:
         node.close()
+
+
+def test_cli_prints_the_store_stats(store, capsys):
+    from services.cli import main
+    assert main(["kv-store", "stats", "--kv-store", store.address, "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    want = store.Stats(pb.StatsRequest(), timeout=5)
+    assert stats["blocks_total"] == want.blocks_total and stats["redis_configured"] is True
+    assert main(["kv-store", "stats", "--kv-store", store.address]) == 0
+    assert "redis_up" in capsys.readouterr().out
