@@ -43,7 +43,6 @@ class EtcdLeaderElection(LeaderElection):
         self._lease_deadline = 0.0       # monotonic time before which the lease surely lives
         self._next_refresh = 0.0
         self._leading = False
-        self._elected = asyncio.Event()
         self._task: asyncio.Task | None = None
 
     @property
@@ -73,20 +72,19 @@ class EtcdLeaderElection(LeaderElection):
         return None if result is None else result.value.decode()
 
     async def wait_leader(self, timeout_s: float | None = None) -> bool:
-        try:
-            await asyncio.wait_for(self._elected.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            return False
-        return self.is_leader
+        """Polls is_leader (it also turns True when a refresh confirms the lease again,
+        which no leadership change announces)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.is_leader:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
 
     def _set_leading(self, leading: bool) -> None:
         if leading == self._leading:
             return
         self._leading = leading
-        if leading:
-            self._elected.set()
-        else:
-            self._elected.clear()
         log.info("election %s: %s", self.candidate_id, "leader" if leading else "standby")
         self._notify(leading)
 

@@ -163,8 +163,7 @@ def test_etcd_restart_keeps_view_and_recovers(etcd_server, run):
             took = await wait_until(lambda: view.members() == want, TTL, "view after restart")
             print(f"view current {took:.2f}s after the restart")
             assert await admin.get("policy") == b"least_load"
-            await election.wait_leader(TTL)
-            assert election.is_leader and await election.leader() == "meta-0"
+            assert await election.wait_leader(TTL) and await election.leader() == "meta-0"
             print(f"leader again {time.monotonic() - restarted:.2f}s after the restart")
 
             [late] = await start_nodes(cluster, [("decode", "decode-9")])
