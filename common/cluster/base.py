@@ -163,7 +163,7 @@ class RetryLog:
 
 class ChangeKind(enum.Enum):
     ADDED = "added"
-    UPDATED = "updated"
+    UPDATED = "updated"        # put again, maybe with the same value (the owner refreshed it)
     REMOVED = "removed"
 
 
@@ -251,9 +251,9 @@ class MemberView(abc.ABC):
         self._emit(changes)
 
     def _set(self, key: MemberKey, value: bytes) -> None:
+        """A put: ADDED for a new key, else UPDATED even when the value is unchanged (a
+        member that puts its key again is reporting that it is alive)."""
         old = self._members.get(key)
-        if old == value:
-            return
         self._members[key] = value
         kind = ChangeKind.ADDED if old is None else ChangeKind.UPDATED
         self._emit([MemberChange(kind, key[0], key[1], value)])

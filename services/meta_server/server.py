@@ -6,10 +6,11 @@
     ...
     await server.stop(grace)
 
-admin_state: where drained nodes and the policy live; default in memory, seeded with
-cfg.policy. A store-backed one (StoreAdminState over etcd) is passed in by the caller;
-its load() is awaited before serving, so a restarted meta-server routes as before (a
-stored policy wins over cfg.policy).
+Membership: a Registry from create_registry (embedded, or etcd when `etcd` is given).
+admin_state: where drained nodes and the policy live; default in memory seeded with
+cfg.policy, or in etcd (StoreAdminState) when `etcd` is given, or the caller's; its
+load() is awaited before serving, so a restarted meta-server routes as before (a stored
+policy wins over cfg.policy).
 """
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ from common.config import MetaConfig
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
 from services import grpc_util
 from services.meta_server.admin_servicer import MetaAdminServicer
-from services.meta_server.admin_state import AdminState, InMemoryAdminState
+from services.meta_server.admin_state import AdminState, InMemoryAdminState, StoreAdminState
 from services.meta_server.control import MetaControl
-from services.meta_server.registry import EmbeddedRegistry
+from services.meta_server.registry import create_registry
 from services.meta_server.router import Router
 from services.meta_server.servicer import MetaServicer
 
@@ -33,23 +34,20 @@ SERVICE_NAMES = [SERVICES["MetaServer"].full_name, SERVICES["MetaAdmin"].full_na
 
 async def create_server(cfg: MetaConfig, port: int | None = None,
                         admin_state: AdminState | None = None, etcd=None):
-    """etcd: an EtcdConfig; membership then comes from etcd and the admin state lives
-    there. Call `await server.close_extras()` after stopping."""
+    """etcd: an EtcdConfig (the mesh has an etcd_endpoint). Then the node table is an
+    EtcdRegistry, the admin state lives in etcd and the meta-servers sharing it elect a
+    leader; else the embedded registry, in-memory admin state and no election. Call
+    `await server.close_extras()` after stopping."""
     cluster = None
     if etcd is not None:
         from common.cluster.etcd import EtcdCluster
-        from services.meta_server.admin_state import StoreAdminState
         cluster = EtcdCluster(etcd)
         admin_state = admin_state or StoreAdminState(cluster.admin_store(), cfg.policy)
     admin = admin_state or InMemoryAdminState(cfg.policy)
     await admin.load()
-    control = MetaControl(EmbeddedRegistry(default_ttl_s=cfg.ttl_seconds),
+    control = MetaControl(create_registry(cfg, cluster),
                           Router(cfg.local_prefill_max_tokens, cfg.prefill_queue_threshold), admin)
-    members = None
-    if cluster is not None:
-        from services.meta_server.etcd_members import EtcdMembers
-        members = EtcdMembers(cluster, control)
-        await members.start()
+    await control.registry.start()
     server = grpc_util.new_server()
     meta_pb2_grpc.add_MetaServerServicer_to_server(MetaServicer(control), server)
     meta_pb2_grpc.add_MetaAdminServicer_to_server(MetaAdminServicer(control), server)
@@ -77,8 +75,7 @@ async def create_server(cfg: MetaConfig, port: int | None = None,
     async def close_extras() -> None:
         if control.election is not None:
             await control.election.resign()
-        if members is not None:
-            await members.close()
+        await control.registry.close()
         if cluster is not None:
             await cluster.close()
 

@@ -98,14 +98,14 @@ def test_member_view_state_and_callbacks():
     changes = []
     view = _View(on_change=changes.append)
     view._replace_all({("decode", "d0"): b"a", ("prefill", "p0"): b"b"})
-    view._set(("decode", "d0"), b"a")            # same value: no event
+    view._set(("decode", "d0"), b"a")            # put again, same value: a refresh
     view._set(("decode", "d0"), b"a2")
     view._remove(("prefill", "p0"))
     view._remove(("prefill", "p0"))              # unknown: no event
-    view._replace_all({("decode", "d0"): b"a2", ("decode", "d1"): b"c"})
+    view._replace_all({("decode", "d0"): b"a2", ("decode", "d1"): b"c"})   # a re-list: changes only
     assert [(c.kind, c.node_id, c.value) for c in changes] == [
-        (ChangeKind.ADDED, "d0", b"a"), (ChangeKind.ADDED, "p0", b"b"), (ChangeKind.UPDATED, "d0", b"a2"),
-        (ChangeKind.REMOVED, "p0", b"b"), (ChangeKind.ADDED, "d1", b"c")]
+        (ChangeKind.ADDED, "d0", b"a"), (ChangeKind.ADDED, "p0", b"b"), (ChangeKind.UPDATED, "d0", b"a"),
+        (ChangeKind.UPDATED, "d0", b"a2"), (ChangeKind.REMOVED, "p0", b"b"), (ChangeKind.ADDED, "d1", b"c")]
     snapshot = view.members()
     snapshot.clear()                             # a copy: the view is unchanged
     assert view.members() == {("decode", "d0"): b"a2", ("decode", "d1"): b"c"}
