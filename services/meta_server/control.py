@@ -70,10 +70,10 @@ class MetaControl:
         election = self.election
         if election is None:
             return None
-        if election.is_leader and not self.leader_ready:
-            return f"meta-server {self.candidate_id} is taking over; retry"
-        if election.is_leader or election.was_leader:
-            return None  # leading, or led when etcd went away: keep routing meanwhile
+        if election.is_leader:
+            return None if self.leader_ready else f"meta-server {self.candidate_id} is taking over; retry"
+        if election.was_leader:
+            return None  # led when etcd went away: keep routing on the last view meanwhile
         return f"meta-server {self.candidate_id} is a standby; another meta-server leads"
 
     def register(self, info: common_pb2.NodeInfo, ttl_s: float) -> float:

@@ -17,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from common.cluster.base import ETCD_EXPIRY_CHECK_S, Backoff, election_ttl_seconds
 from common.config import MetaConfig
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
 from services import grpc_util
 from services.meta_server.admin_servicer import MetaAdminServicer
-from services.meta_server.admin_state import AdminState, InMemoryAdminState, StoreAdminState
+from services.meta_server.admin_state import (AdminState, AdminStateUnavailableError, InMemoryAdminState,
+                                              StoreAdminState)
 from services.meta_server.control import MetaControl
 from services.meta_server.registry import create_registry
 from services.meta_server.router import Router
@@ -58,19 +60,7 @@ async def create_server(cfg: MetaConfig, port: int | None = None,
     server.control = control
     if cluster is not None:
         control.candidate_id = f"{cfg.advertise_host or cfg.host}:{bound}"
-
-        async def take_over() -> None:
-            await admin.load()  # what the previous leader stored (drained nodes, policy)
-            control.leader_ready = True
-
-        def on_leadership(leading: bool) -> None:
-            log.info("meta-server %s is %s", control.candidate_id, "the leader" if leading else "a standby")
-            if leading:
-                control.leader_ready = False
-                control.take_over_task = asyncio.get_running_loop().create_task(take_over())
-
-        control.election = cluster.election(on_change=on_leadership)
-        await control.election.campaign(control.candidate_id, ttl_s=cfg.ttl_seconds)
+        await campaign(control, cluster, cfg.ttl_seconds)
 
     async def close_extras() -> None:
         if control.election is not None:
@@ -83,6 +73,40 @@ async def create_server(cfg: MetaConfig, port: int | None = None,
     log.info("meta-server serving at %s:%d (policy %s, ttl %.1fs)", cfg.host, bound, admin.policy(),
              cfg.ttl_seconds)
     return server, bound
+
+
+async def campaign(control: MetaControl, cluster, ttl_s: float) -> None:
+    """Join the election on a lease of half the membership TTL (a standby then leads
+    within one TTL of the leader's death). On becoming leader, reload the admin state
+    (what the previous leader stored) before routing, retrying while etcd is away."""
+    lease_ttl = election_ttl_seconds(ttl_s)
+    if lease_ttl + ETCD_EXPIRY_CHECK_S >= ttl_s:
+        log.warning("ttl_seconds %.1f: a standby may need up to %.1fs to take over (use >= 2)",
+                    ttl_s, lease_ttl + ETCD_EXPIRY_CHECK_S)
+
+    async def take_over() -> None:
+        backoff = Backoff(0.1, 1.0)
+        while True:
+            try:
+                await control.admin.load()
+                control.leader_ready = True
+                return
+            except AdminStateUnavailableError as e:
+                delay = backoff.next()
+                log.warning("new leader: %s; retrying in %.2fs", e, delay)
+                await asyncio.sleep(delay)
+
+    def on_leadership(leading: bool) -> None:
+        log.info("meta-server %s is %s", control.candidate_id, "the leader" if leading else "a standby")
+        if control.take_over_task is not None:
+            control.take_over_task.cancel()
+            control.take_over_task = None
+        if leading:
+            control.leader_ready = False
+            control.take_over_task = asyncio.get_running_loop().create_task(take_over())
+
+    control.election = cluster.election(on_change=on_leadership)
+    await control.election.campaign(control.candidate_id, ttl_s=lease_ttl)
 
 
 async def serve(cfg: MetaConfig) -> None:

@@ -120,7 +120,8 @@ def test_etcd_restart_keeps_view_and_recovers(etcd_server, run):
             assert not await members[0].update(b"updated while down")
             with pytest.raises(StoreUnavailableError):
                 await admin.get("policy")
-            assert not election.is_leader                   # lease unconfirmed for > TTL
+            assert not election.is_leader                   # lease unconfirmed for > TTL ...
+            assert election.was_leader                      # ... but etcd is down: no one else leads
 
             etcd_server.start()
             restarted = time.monotonic()
@@ -129,6 +130,7 @@ def test_etcd_restart_keeps_view_and_recovers(etcd_server, run):
             print(f"view current {took:.2f}s after the restart")
             assert await admin.get("policy") == b"least_load"
             assert await election.wait_leader(TTL) and await election.leader() == "meta-0"
+            assert not election.was_leader                  # etcd answers again
             print(f"leader again {time.monotonic() - restarted:.2f}s after the restart")
 
             [late] = await start_nodes(cluster, [("decode", "decode-9")])
@@ -230,6 +232,7 @@ def test_leader_election_failover(etcd_server, run):
             took = await wait_until(lambda: b.is_leader, TTL + 0.8, "standby leads")
             print(f"standby led {took:.2f}s after the leader's last keepalive task ended (ttl {TTL}s)")
             assert not a.is_leader and await b.leader() == "meta-b" and seen_b == [True]
+            assert not a.was_leader                 # its lease lapsed with etcd up: it must not act
 
             await c.campaign("meta-c", ttl_s=TTL)
             assert not c.is_leader
