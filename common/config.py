@@ -192,6 +192,13 @@ class MeshConfig:
         args = {"model_id": self.resolved_model_id, **self.engine}
         return EngineConfig.from_kwargs(self.model, **args)
 
+    def etcd_config(self):
+        """A common.cluster EtcdConfig for etcd_endpoint and cluster; None without etcd."""
+        if not self.etcd_endpoint:
+            return None
+        from common.cluster.etcd import EtcdConfig
+        return EtcdConfig(endpoint=self.etcd_endpoint, cluster=self.cluster)
+
     @property
     def resolved_model_id(self) -> str:
         from pathlib import Path

@@ -66,11 +66,7 @@ async def _serve(args) -> None:
     if args.role == "meta-server":
         from services.meta_server.server import create_server
         meta = mesh.meta if args.port is None else dataclasses.replace(mesh.meta, port=args.port)
-        etcd = None
-        if mesh.etcd_endpoint:
-            from common.cluster.etcd import EtcdConfig
-            etcd = EtcdConfig(endpoint=mesh.etcd_endpoint, cluster=mesh.cluster)
-        server, _ = await create_server(meta, etcd=etcd,
+        server, _ = await create_server(meta, etcd=mesh.etcd_config(),
                                         kv_store_address=mesh.kv_store.address if mesh.kv_store else "")
 
         async def stop(grace):

@@ -1,13 +1,12 @@
 """What a prefill, decode or `both` node runs besides its servicer: the engine, the KV
-cache registered with the transfer engine, and membership (register, then heartbeat
-every TTL/3 with the node's load; register again when the meta-server forgot us).
+cache registered with the transfer engine, and membership (a NodeRegistration: stay
+registered and report the node's load every TTL/3, with the meta-server or in etcd).
 
 Lifecycle: EngineNode(...) loads the model and registers the KV cache -> start(address)
-begins membership -> close() deregisters, stops the engine and the transfer engine.
+begins membership -> close() leaves the mesh, stops the engine and the transfer engine.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,9 +18,10 @@ from common.engine.llm_engine import LLMEngine
 from common.transfer.kv_writes import KVSender
 from common.transfer.layout import KVLayout
 from common.transfer.registry import create_transfer
-from protos.pdmesh.v1 import common_pb2, engine_pb2, meta_pb2, meta_pb2_grpc
+from protos.pdmesh.v1 import common_pb2, engine_pb2
 from services import grpc_util
 from services.kv_store.client import KVStoreClient
+from services.node_registration import NodeRegistration, create_registration
 
 log = logging.getLogger("pdmesh.node")
 
@@ -55,10 +55,8 @@ class EngineNode:
             self.kv_store = KVStoreClient(mesh.kv_store.address, self.llm_engine.model_id, self.layout,
                                           self.sender, self.executor, mesh.kv_store.client_timeout_s)
         self.address = ""
-        self._membership: asyncio.Task | None = None
+        self.registration: NodeRegistration | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._etcd = self._etcd_membership = None
-        self._meta: grpc.aio.Channel | None = None
 
     def node_info(self) -> common_pb2.NodeInfo:
         stats = self.llm_engine.stats()
@@ -90,64 +88,14 @@ class EngineNode:
 
     # ---- membership ---------------------------------------------------------------
     def start(self, address: str) -> None:
+        """Join the mesh as `address` (in a task of the running loop)."""
         self.address = address
-        self._meta = grpc_util.channel(self.mesh.meta.address)
-        loop = asyncio.get_running_loop()
-        if self.mesh.etcd_endpoint:
-            self._membership = loop.create_task(self._etcd_membership_loop())
-        else:
-            self._membership = loop.create_task(self._membership_loop())
-
-    async def _etcd_membership_loop(self) -> None:
-        """NodeInfo on an etcd lease (refreshed by the Membership), load every TTL/3."""
-        from common.cluster.etcd import EtcdCluster, EtcdConfig
-        self._etcd = EtcdCluster(EtcdConfig(endpoint=self.mesh.etcd_endpoint, cluster=self.mesh.cluster))
-        self._etcd_membership = self._etcd.membership()
-        ttl = self.mesh.meta.ttl_seconds
-        await self._etcd_membership.start(self.node.role, self.node.node_id,
-                                          self.node_info().SerializeToString(), ttl_s=ttl)
-        log.info("%s registered in etcd at %s", self.node.node_id, self.mesh.etcd_endpoint)
-        while True:
-            await asyncio.sleep(ttl / 3)
-            await self._etcd_membership.update(self.node_info().SerializeToString())
-
-    async def _membership_loop(self) -> None:
-        stub = meta_pb2_grpc.MetaServerStub(self._meta)
-        ttl = self.mesh.meta.ttl_seconds
-        registered = False
-        while True:
-            try:
-                if not registered:
-                    await stub.Register(meta_pb2.RegisterRequest(node=self.node_info(), ttl_seconds=ttl),
-                                        timeout=ttl)
-                    registered = True
-                    log.info("%s registered with the meta-server at %s", self.node.node_id,
-                             self.mesh.meta.address)
-                else:
-                    await stub.Heartbeat(meta_pb2.HeartbeatRequest(
-                        node_id=self.node.node_id, load=self.load(self.llm_engine.stats())),
-                        timeout=ttl)
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.NOT_FOUND:
-                    registered = False
-                    continue
-                log.warning("meta-server unreachable (%s); retrying", e.code().name)
-                registered = False
-            await asyncio.sleep(ttl / 3)
+        self.registration = create_registration(self.mesh, self.node_info)
+        self.registration.start()
 
     async def close(self) -> None:
-        if self._etcd is not None:
-            self._membership.cancel()
-            await self._etcd_membership.close()
-            await self._etcd.close()
-        elif self._membership is not None:
-            self._membership.cancel()
-            try:
-                stub = meta_pb2_grpc.MetaServerStub(self._meta)
-                await stub.Deregister(meta_pb2.DeregisterRequest(node_id=self.node.node_id), timeout=1)
-            except grpc.aio.AioRpcError:
-                pass
-            await self._meta.close()
+        if self.registration is not None:
+            await self.registration.close()
         for ch in self._channels.values():
             await ch.close()
         if self.kv_store is not None:

@@ -8,11 +8,16 @@ interpreter exit. Logs go to `<root>/etcd.log`.
 
 Missing binary: `require_etcd()` skips the test with the reason (`make sysdeps` installs
 Debian's etcd-server when running as root).
+
+Tests of asyncio clients (aetcd) import the `loop` and `run` fixtures and `wait_until`
+from here: one event loop per test module, scenarios run on it.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
+import time
 import urllib.request
 from pathlib import Path
 
@@ -81,3 +86,38 @@ def etcd_server(tmp_path):
         yield server.start()
     finally:
         server.close()
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """One event loop for the module: grpc.aio completions that arrive after a test's
+    client closed must not land on a closed loop (aetcd leaves keepalive streams behind)."""
+    loop = asyncio.new_event_loop()
+    loop.errors = []
+    loop.set_exception_handler(lambda _, context: loop.errors.append(context))
+    yield loop
+    loop.run_until_complete(asyncio.sleep(0.2))
+    loop.close()
+
+
+@pytest.fixture
+def run(loop):
+    """run(scenario) runs the coroutine function on the module loop and fails the test on
+    any unhandled exception in a background task."""
+    def run_scenario(scenario):
+        loop.errors.clear()
+        result = loop.run_until_complete(asyncio.wait_for(scenario(), 45))
+        loop.run_until_complete(asyncio.sleep(0.05))
+        assert not loop.errors, loop.errors
+        return result
+    return run_scenario
+
+
+async def wait_until(predicate, timeout_s: float, what: str) -> float:
+    """Seconds until predicate() holds; fails the test after timeout_s."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"not within {timeout_s}s: {what}")
+        await asyncio.sleep(0.01)
+    return time.monotonic() - start

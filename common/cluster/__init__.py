@@ -5,13 +5,14 @@ only when one of its names is first used, so a missing aetcd never breaks import
 """
 from common.cluster.base import (DEFAULT_TTL_S, AdminStore, Backoff, ChangeKind, ClusterKeys,
                                  LeaderElection, MemberChange, MemberView, Membership,
-                                 StoreUnavailableError, diff_members)
+                                 StoreUnavailableError, diff_members, election_ttl_seconds)
 
 _LAZY = {"EtcdConfig": "common.cluster.etcd", "EtcdCluster": "common.cluster.etcd",
          "EtcdLeaderElection": "common.cluster.etcd_election"}
 
 __all__ = ["DEFAULT_TTL_S", "AdminStore", "Backoff", "ChangeKind", "ClusterKeys", "LeaderElection",
-           "MemberChange", "MemberView", "Membership", "StoreUnavailableError", "diff_members", *_LAZY]
+           "MemberChange", "MemberView", "Membership", "StoreUnavailableError", "diff_members",
+           "election_ttl_seconds", *_LAZY]
 
 
 def __getattr__(name):

@@ -19,6 +19,8 @@ Lifecycles (each object belongs to one event loop; none is thread-safe):
   LeaderElection:        campaign -> standby <-> leader -> resign
       the leader key is created on the candidate's own lease only if absent (one
       transaction); a standby keeps its lease alive and takes over when the key goes.
+      The services run it on election_ttl_seconds(membership TTL), so that a standby
+      leads within one membership TTL of the leader's death.
   AdminStore:            plain get/put/delete/list; raises StoreUnavailableError when down.
 """
 from __future__ import annotations
@@ -104,6 +106,24 @@ def lease_ttl_seconds(ttl_s: float) -> int:
     return max(1, int(-(-ttl_s // 1)))
 
 
+ETCD_EXPIRY_CHECK_S = 0.5    # etcd revokes expired leases in a sweep this often
+
+
+def election_ttl_seconds(member_ttl_s: float) -> int:
+    """The leader lease TTL for meta-servers whose nodes live on `member_ttl_s` leases:
+    half of it in whole seconds, at least 1.
+
+    A standby leads at most lease TTL + ETCD_EXPIRY_CHECK_S (+ one watch event and one
+    transaction, milliseconds) after the leader's last refresh, so with half the TTL it
+    leads within the membership TTL, at least 0.5 s early, for member_ttl_s >= 2
+    (TTL 2 -> lease 1: leads within 1.5 s; 3 -> 1: 1.5 s; 5 -> 2: 2.5 s). Below 2 s no
+    lease is short enough (etcd counts whole seconds). etcd grants at least its minimum
+    TTL (1.5 election timeouts: 2 s with its defaults), which then sets the bound.
+    """
+    lease_ttl_seconds(member_ttl_s)    # validates
+    return max(1, int(member_ttl_s // 2))
+
+
 def refresh_interval(granted_ttl_s: float) -> float:
     """Keepalive period: a third of the TTL, so two refreshes may fail before expiry."""
     return granted_ttl_s / 3.0
@@ -138,6 +158,12 @@ class Backoff:
         self._attempt = 0
 
 
+def lease_backoff(ttl_s: float, retry_max_s: float) -> Backoff:
+    """Retry delays for a lease owner: capped at retry_max_s and at the refresh interval,
+    so that after an outage the lease is refreshed again before it can lapse."""
+    return Backoff(0.1, max(0.1, min(retry_max_s, refresh_interval(ttl_s))))
+
+
 class RetryLog:
     """A retry loop's log: the first failure as a warning, the next ones at debug level,
     then one info line on recovery (no flood while the store is down for minutes)."""
@@ -163,7 +189,7 @@ class RetryLog:
 
 class ChangeKind(enum.Enum):
     ADDED = "added"
-    UPDATED = "updated"
+    UPDATED = "updated"        # put again, maybe with the same value (the owner refreshed it)
     REMOVED = "removed"
 
 
@@ -251,9 +277,9 @@ class MemberView(abc.ABC):
         self._emit(changes)
 
     def _set(self, key: MemberKey, value: bytes) -> None:
+        """A put: ADDED for a new key, else UPDATED even when the value is unchanged (a
+        member that puts its key again is reporting that it is alive)."""
         old = self._members.get(key)
-        if old == value:
-            return
         self._members[key] = value
         kind = ChangeKind.ADDED if old is None else ChangeKind.UPDATED
         self._emit([MemberChange(kind, key[0], key[1], value)])
@@ -300,6 +326,14 @@ class LeaderElection(abc.ABC):
     def is_leader(self) -> bool:
         """True only while this candidate holds the key on a lease known to be alive: a
         leader that cannot refresh its lease stops claiming it before the lease can expire."""
+
+    @property
+    def was_leader(self) -> bool:
+        """True while this candidate led at its last contact with the store and every
+        call since has failed: it may go on acting on its last view, so that a store
+        outage stops nothing (availability over exclusivity; see etcd_election.py).
+        Optional: is_leader by default."""
+        return self.is_leader
 
     @abc.abstractmethod
     async def leader(self) -> str | None:

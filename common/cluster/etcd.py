@@ -25,7 +25,7 @@ import grpc
 
 from common.cluster.base import (DEFAULT_TTL_S, AdminStore, Backoff, ClusterKeys, Membership,
                                  MemberView, OnChange, RetryLog, StoreUnavailableError,
-                                 lease_ttl_seconds, refresh_interval)
+                                 lease_backoff, lease_ttl_seconds, refresh_interval)
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class EtcdMembership(Membership):
         return not self._dirty
 
     async def _keepalive(self) -> None:
-        backoff = Backoff(0.1, max(0.1, min(self._retry_max_s, refresh_interval(self._ttl))))
+        backoff = lease_backoff(self._ttl, self._retry_max_s)
         retry_log = RetryLog(log, f"{self.key}: keepalive")
         while True:
             try:

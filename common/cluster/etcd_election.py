@@ -12,8 +12,24 @@ Lifecycle of one candidate (its own task after campaign()):
         confirmed lease deadline passes, before the lease can expire on the server
     resign() -> stop, revoke the lease (the key goes with it; a standby takes over at once)
 
-A standby takes over when the leader's lease expires: at most one TTL after the leader's
-last refresh, plus etcd's expiry sweep (every 0.5 s) and one watch event.
+Takeover: a standby leads when the leader's lease expires, at most one lease TTL after
+the leader's last refresh, plus etcd's expiry sweep (ETCD_EXPIRY_CHECK_S) and one watch
+event. Meta-servers campaign with election_ttl_seconds(membership TTL), half of it, so
+a standby leads within one membership TTL after the leader is killed.
+
+Safety, at most one leader acts: (1) is_leader holds only until `sent + TTL`, where
+`sent` is when this candidate sent the last grant or refresh that etcd confirmed; etcd
+received it later, so the lease lives at least that long (both clocks are monotonic; their
+drift over one TTL is negligible). (2) A standby leads only through the create-if-absent
+transaction, which succeeds only once etcd deleted the key, i.e. once that lease expired
+or was revoked, so after the old leader's is_leader has turned False. (3) A leader whose
+deadline passed without any failed call (a stalled process, a slow reply) is neither
+is_leader nor was_leader until etcd answers, so it does not act on a lost lead either.
+The one trade of safety for availability is was_leader: a leader that cannot reach etcd
+at all goes on acting on its last view, so that an etcd outage stops nothing (no standby
+can be elected meanwhile). If instead only this leader is cut off while a standby still
+reaches etcd (a partition), both act until this one reaches etcd again and steps down;
+for routing that costs balance, not correctness, and admin changes need etcd anyway.
 """
 from __future__ import annotations
 
@@ -24,8 +40,8 @@ from typing import Callable
 
 import aetcd
 
-from common.cluster.base import (DEFAULT_TTL_S, Backoff, ClusterKeys, LeaderElection, RetryLog,
-                                 check_name, lease_ttl_seconds, refresh_interval)
+from common.cluster.base import (DEFAULT_TTL_S, ClusterKeys, LeaderElection, RetryLog, check_name,
+                                 lease_backoff, lease_ttl_seconds, refresh_interval)
 from common.cluster.etcd import cancel_task, store_call
 
 log = logging.getLogger(__name__)
@@ -43,7 +59,7 @@ class EtcdLeaderElection(LeaderElection):
         self._lease_deadline = 0.0       # monotonic time before which the lease surely lives
         self._next_refresh = 0.0
         self._leading = False
-        self._elected = asyncio.Event()
+        self._unreachable = False        # a call failed since etcd last answered
         self._task: asyncio.Task | None = None
 
     @property
@@ -52,9 +68,10 @@ class EtcdLeaderElection(LeaderElection):
 
     @property
     def was_leader(self) -> bool:
-        """Led at the last contact with etcd. Stays True while etcd is unreachable (no
-        one else can take over then) until etcd says otherwise."""
-        return self._leading
+        """Led at the last contact with etcd, and every call since has failed: etcd is
+        unreachable from here (see the module's safety note). False again as soon as
+        etcd answers (then is_leader says whether we still lead)."""
+        return self._leading and self._unreachable
 
     async def campaign(self, candidate_id: str, ttl_s: float = DEFAULT_TTL_S) -> None:
         if self._task is not None:
@@ -73,24 +90,24 @@ class EtcdLeaderElection(LeaderElection):
         return None if result is None else result.value.decode()
 
     async def wait_leader(self, timeout_s: float | None = None) -> bool:
-        try:
-            await asyncio.wait_for(self._elected.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            return False
-        return self.is_leader
+        """Polls is_leader (it also turns True when a refresh confirms the lease again,
+        which no leadership change announces)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.is_leader:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
 
     def _set_leading(self, leading: bool) -> None:
         if leading == self._leading:
             return
         self._leading = leading
-        if leading:
-            self._elected.set()
-        else:
-            self._elected.clear()
         log.info("election %s: %s", self.candidate_id, "leader" if leading else "standby")
         self._notify(leading)
 
     def _confirmed(self, sent: float, ttl: int) -> None:
+        self._unreachable = False
         self._lease_deadline = sent + ttl
         self._next_refresh = sent + refresh_interval(ttl)
 
@@ -119,6 +136,7 @@ class EtcdLeaderElection(LeaderElection):
             compare=[tx.create(self._key) == 0],
             success=[tx.put(self._key, self.candidate_id.encode(), lease=self._lease_id)],
             failure=[tx.get(self._key)])
+        self._unreachable = False
         holder = None if won or not responses or not responses[0] else responses[0][0][1]
         if won or (holder is not None and holder.lease == self._lease_id):
             self._set_leading(True)
@@ -146,7 +164,7 @@ class EtcdLeaderElection(LeaderElection):
                 pass
 
     async def _run(self) -> None:
-        backoff = Backoff(0.1, self._retry_max_s)
+        backoff = lease_backoff(self._ttl, self._retry_max_s)
         retry_log = RetryLog(log, f"election {self.candidate_id}")
         while True:
             try:
@@ -165,8 +183,9 @@ class EtcdLeaderElection(LeaderElection):
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                # is_leader turns False by itself at the lease deadline; was_leader stays
+                # is_leader turns False by itself at the lease deadline; was_leader holds
                 # until etcd answers again (then _refresh or _try_acquire settles it).
+                self._unreachable = True
                 delay = backoff.next()
                 if self.is_leader:
                     delay = min(delay, max(0.01, self._lease_deadline - time.monotonic()))

@@ -1,17 +1,18 @@
-"""The meta-server's logic behind both of its gRPC services: membership (registry),
-routing (router) and operator state (AdminState), kept consistent with each other.
+"""The meta-server's logic behind both of its gRPC services: membership (a Registry,
+embedded or etcd), routing (router) and operator state (AdminState), kept consistent
+with each other.
 
-Node states seen by operators: up | draining (up and drained) | down (TTL expired,
-listed for a while, see registry). Decisions:
+Node states seen by operators: up | draining (up and drained) | down (gone, listed for
+a while, see registry/base.py). Decisions:
   - drain/undrain need a known node id (UnknownNodeError otherwise), except that undrain
     also accepts an id only the admin state remembers (e.g. drained before a restart);
     the drained flag is kept by id, so a drained node that restarts stays drained.
   - remove forgets the node everywhere (membership, drained flag, routed count, prefix
-    index). If it is alive, its next heartbeat is refused and it registers again: it
-    comes back up, undrained, with an empty prefix index. To keep a live node out of
-    service, drain it instead.
-  - deregister (a node's clean shutdown) forgets membership only.
-  - register always resets the node's prefix index (its cache starts empty).
+    index). If it is alive, it joins again at its next report (embedded: its heartbeat
+    is refused and it registers again): it comes back up, undrained, with an empty
+    prefix index. To keep a live node out of service, drain it instead.
+  - deregister (a node's clean shutdown, embedded registry) forgets membership only.
+  - every join resets the node's prefix index (its cache starts empty).
 
 Thread-safety: event loop only. Mutating methods are the async ones plus register,
 heartbeat, deregister and route.
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from common.config import POLICIES
 from protos.pdmesh.v1 import common_pb2
 from services.meta_server.admin_state import AdminState
-from services.meta_server.registry import UP, EmbeddedRegistry, Member
+from services.meta_server.registry import UP, Member, Registry
 from services.meta_server.router import RouteDecision, Router, RouteRequest, check_policy
 
 ROLE_ORDER = {"prefill": 0, "decode": 1, "both": 2}
@@ -55,8 +56,9 @@ class ClusterStats:
 
 
 class MetaControl:
-    def __init__(self, registry: EmbeddedRegistry, router: Router, admin: AdminState):
+    def __init__(self, registry: Registry, router: Router, admin: AdminState):
         self.registry, self.router, self.admin = registry, router, admin
+        registry.on_join = router.node_restarted     # a node that joins starts with an empty cache
         self.election = None            # a LeaderElection when several meta-servers share etcd
         self.candidate_id = ""
         self.leader_ready = True        # False while a new leader reloads the admin state
@@ -68,20 +70,21 @@ class MetaControl:
         election = self.election
         if election is None:
             return None
-        if election.is_leader and not self.leader_ready:
-            return f"meta-server {self.candidate_id} is taking over; retry"
-        if election.is_leader or election.was_leader:
-            return None  # leading, or led when etcd went away: keep routing meanwhile
+        if election.is_leader:
+            return None if self.leader_ready else f"meta-server {self.candidate_id} is taking over; retry"
+        if election.was_leader:
+            return None  # led when etcd went away: keep routing on the last view meanwhile
         return f"meta-server {self.candidate_id} is a standby; another meta-server leads"
 
     def register(self, info: common_pb2.NodeInfo, ttl_s: float) -> float:
-        self.router.node_restarted(info.node_id)
+        """RegistrationRefusedError where nodes register in etcd."""
         return self.registry.register(info, ttl_s)
 
     def heartbeat(self, node_id: str, load: common_pb2.NodeLoad) -> bool:
         return self.registry.heartbeat(node_id, load)
 
     def deregister(self, node_id: str) -> None:
+        """RegistrationRefusedError where nodes register in etcd."""
         self.registry.deregister(node_id)
 
     def route(self, request: RouteRequest) -> RouteDecision:

@@ -6,24 +6,27 @@
     ...
     await server.stop(grace)
 
-admin_state: where drained nodes and the policy live; default in memory, seeded with
-cfg.policy. A store-backed one (StoreAdminState over etcd) is passed in by the caller;
-its load() is awaited before serving, so a restarted meta-server routes as before (a
-stored policy wins over cfg.policy).
+Membership: a Registry from create_registry (embedded, or etcd when `etcd` is given).
+admin_state: where drained nodes and the policy live; default in memory seeded with
+cfg.policy, or in etcd (StoreAdminState) when `etcd` is given, or the caller's; its
+load() is awaited before serving, so a restarted meta-server routes as before (a stored
+policy wins over cfg.policy).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 
+from common.cluster.base import ETCD_EXPIRY_CHECK_S, Backoff, election_ttl_seconds
 from common.config import MetaConfig
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
 from services import grpc_util
 from services.meta_server.admin_servicer import MetaAdminServicer
-from services.meta_server.admin_state import AdminState, InMemoryAdminState
+from services.meta_server.admin_state import (AdminState, AdminStateUnavailableError, InMemoryAdminState,
+                                              StoreAdminState)
 from services.meta_server.control import MetaControl
+from services.meta_server.registry import create_registry
 from services.meta_server.store_hits import StoreHits
-from services.meta_server.registry import EmbeddedRegistry
 from services.meta_server.router import Router
 from services.meta_server.servicer import MetaServicer
 
@@ -34,24 +37,21 @@ SERVICE_NAMES = [SERVICES["MetaServer"].full_name, SERVICES["MetaAdmin"].full_na
 
 async def create_server(cfg: MetaConfig, port: int | None = None,
                         admin_state: AdminState | None = None, etcd=None, kv_store_address: str = ""):
-    """etcd: an EtcdConfig; membership then comes from etcd and the admin state lives
-    there. kv_store_address: the kv-store whose hits cache_aware routing counts. Call
+    """etcd: an EtcdConfig (the mesh has an etcd_endpoint). Then the node table is an
+    EtcdRegistry, the admin state lives in etcd and the meta-servers sharing it elect a
+    leader; else the embedded registry, in-memory admin state and no election.
+    kv_store_address: the kv-store whose hits cache_aware routing counts. Call
     `await server.close_extras()` after stopping."""
     cluster = None
     if etcd is not None:
         from common.cluster.etcd import EtcdCluster
-        from services.meta_server.admin_state import StoreAdminState
         cluster = EtcdCluster(etcd)
         admin_state = admin_state or StoreAdminState(cluster.admin_store(), cfg.policy)
     admin = admin_state or InMemoryAdminState(cfg.policy)
     await admin.load()
-    control = MetaControl(EmbeddedRegistry(default_ttl_s=cfg.ttl_seconds),
+    control = MetaControl(create_registry(cfg, cluster),
                           Router(cfg.local_prefill_max_tokens, cfg.prefill_queue_threshold), admin)
-    members = None
-    if cluster is not None:
-        from services.meta_server.etcd_members import EtcdMembers
-        members = EtcdMembers(cluster, control)
-        await members.start()
+    await control.registry.start()
     server = grpc_util.new_server()
     store_hits = StoreHits(kv_store_address) if kv_store_address else None
     meta_pb2_grpc.add_MetaServerServicer_to_server(MetaServicer(control, store_hits), server)
@@ -63,25 +63,12 @@ async def create_server(cfg: MetaConfig, port: int | None = None,
     server.control = control
     if cluster is not None:
         control.candidate_id = f"{cfg.advertise_host or cfg.host}:{bound}"
-
-        async def take_over() -> None:
-            await admin.load()  # what the previous leader stored (drained nodes, policy)
-            control.leader_ready = True
-
-        def on_leadership(leading: bool) -> None:
-            log.info("meta-server %s is %s", control.candidate_id, "the leader" if leading else "a standby")
-            if leading:
-                control.leader_ready = False
-                control.take_over_task = asyncio.get_running_loop().create_task(take_over())
-
-        control.election = cluster.election(on_change=on_leadership)
-        await control.election.campaign(control.candidate_id, ttl_s=cfg.ttl_seconds)
+        await campaign(control, cluster, cfg.ttl_seconds)
 
     async def close_extras() -> None:
         if control.election is not None:
             await control.election.resign()
-        if members is not None:
-            await members.close()
+        await control.registry.close()
         if cluster is not None:
             await cluster.close()
         if store_hits is not None:
@@ -91,6 +78,40 @@ async def create_server(cfg: MetaConfig, port: int | None = None,
     log.info("meta-server serving at %s:%d (policy %s, ttl %.1fs)", cfg.host, bound, admin.policy(),
              cfg.ttl_seconds)
     return server, bound
+
+
+async def campaign(control: MetaControl, cluster, ttl_s: float) -> None:
+    """Join the election on a lease of half the membership TTL (a standby then leads
+    within one TTL of the leader's death). On becoming leader, reload the admin state
+    (what the previous leader stored) before routing, retrying while etcd is away."""
+    lease_ttl = election_ttl_seconds(ttl_s)
+    if lease_ttl + ETCD_EXPIRY_CHECK_S >= ttl_s:
+        log.warning("ttl_seconds %.1f: a standby may need up to %.1fs to take over (use >= 2)",
+                    ttl_s, lease_ttl + ETCD_EXPIRY_CHECK_S)
+
+    async def take_over() -> None:
+        backoff = Backoff(0.1, 1.0)
+        while True:
+            try:
+                await control.admin.load()
+                control.leader_ready = True
+                return
+            except AdminStateUnavailableError as e:
+                delay = backoff.next()
+                log.warning("new leader: %s; retrying in %.2fs", e, delay)
+                await asyncio.sleep(delay)
+
+    def on_leadership(leading: bool) -> None:
+        log.info("meta-server %s is %s", control.candidate_id, "the leader" if leading else "a standby")
+        if control.take_over_task is not None:
+            control.take_over_task.cancel()
+            control.take_over_task = None
+        if leading:
+            control.leader_ready = False
+            control.take_over_task = asyncio.get_running_loop().create_task(take_over())
+
+    control.election = cluster.election(on_change=on_leadership)
+    await control.election.campaign(control.candidate_id, ttl_s=lease_ttl)
 
 
 async def serve(cfg: MetaConfig) -> None:

@@ -1,4 +1,5 @@
-"""MetaServer gRPC servicer: membership (embedded registry) and Route. Thin: converts
+"""MetaServer gRPC servicer: membership RPCs (taken by the embedded registry; refused
+with FAILED_PRECONDITION where nodes register in etcd) and Route. Thin: converts
 messages to MetaControl calls and maps errors to status codes."""
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import grpc
 
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
 from services.meta_server.control import MetaControl
+from services.meta_server.registry import RegistrationRefusedError
 from services.meta_server.router import NoNodeError, RouteRequest
 from services.meta_server.store_hits import StoreHits
 
@@ -15,6 +17,15 @@ def route_request(request: meta_pb2.RouteRequest, store_hit_blocks: int = 0) -> 
                         block_hashes=tuple(request.block_hashes),
                         exclude_node_ids=frozenset(request.exclude_node_ids),
                         store_hit_blocks=store_hit_blocks)
+
+
+async def _membership_call(context, method, *args):
+    """A Register/Heartbeat/Deregister call on MetaControl; where nodes register in etcd
+    the registry refuses it: FAILED_PRECONDITION saying so."""
+    try:
+        return method(*args)
+    except RegistrationRefusedError as e:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
 
 class MetaServicer(meta_pb2_grpc.MetaServerServicer):
@@ -27,17 +38,17 @@ class MetaServicer(meta_pb2_grpc.MetaServerServicer):
         if not node.node_id or node.role not in ("prefill", "decode", "both") or not node.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "node.node_id, node.address and node.role (prefill|decode|both) are required")
-        ttl = self.control.register(node, request.ttl_seconds)
+        ttl = await _membership_call(context, self.control.register, node, request.ttl_seconds)
         return meta_pb2.RegisterResponse(ttl_seconds=ttl)
 
     async def Heartbeat(self, request, context):
-        if not self.control.heartbeat(request.node_id, request.load):
+        if not await _membership_call(context, self.control.heartbeat, request.node_id, request.load):
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"node {request.node_id!r} is not registered; register again")
         return meta_pb2.HeartbeatResponse()
 
     async def Deregister(self, request, context):
-        self.control.deregister(request.node_id)
+        await _membership_call(context, self.control.deregister, request.node_id)
         return meta_pb2.DeregisterResponse()
 
     async def Route(self, request, context):

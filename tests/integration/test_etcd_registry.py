@@ -11,7 +11,7 @@ pytest.importorskip("aetcd")
 
 from common.cluster import ChangeKind, StoreUnavailableError  # noqa: E402
 from common.cluster.etcd import EtcdCluster, EtcdConfig  # noqa: E402
-from tests.etcd_server import etcd_server  # noqa: E402,F401  (fixture)
+from tests.etcd_server import etcd_server, loop, run, wait_until  # noqa: E402,F401  (fixtures)
 
 TTL = 2
 NODES = [("prefill", "prefill-0"), ("prefill", "prefill-1"), ("decode", "decode-0"), ("decode", "decode-1")]
@@ -20,41 +20,6 @@ pytestmark = pytest.mark.timeout(60)
 
 def config(server, cluster="test") -> EtcdConfig:
     return EtcdConfig(endpoint=server.endpoint, cluster=cluster, timeout_s=1.0, retry_max_s=0.5)
-
-
-@pytest.fixture(scope="module")
-def loop():
-    """One event loop for the module: grpc.aio completions that arrive after a test's
-    client closed must not land on a closed loop (aetcd leaves keepalive streams behind)."""
-    loop = asyncio.new_event_loop()
-    loop.errors = []
-    loop.set_exception_handler(lambda _, context: loop.errors.append(context))
-    yield loop
-    loop.run_until_complete(asyncio.sleep(0.2))
-    loop.close()
-
-
-@pytest.fixture
-def run(loop):
-    """run(scenario) runs the coroutine function on the module loop and fails the test on
-    any unhandled exception in a background task."""
-    def run_scenario(scenario):
-        loop.errors.clear()
-        result = loop.run_until_complete(asyncio.wait_for(scenario(), 45))
-        loop.run_until_complete(asyncio.sleep(0.05))
-        assert not loop.errors, loop.errors
-        return result
-    return run_scenario
-
-
-async def wait_until(predicate, timeout_s: float, what: str) -> float:
-    """Seconds until predicate() holds; fails the test after timeout_s."""
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"not within {timeout_s}s: {what}")
-        await asyncio.sleep(0.01)
-    return time.monotonic() - start
 
 
 async def start_nodes(cluster, nodes=NODES):
@@ -155,7 +120,8 @@ def test_etcd_restart_keeps_view_and_recovers(etcd_server, run):
             assert not await members[0].update(b"updated while down")
             with pytest.raises(StoreUnavailableError):
                 await admin.get("policy")
-            assert not election.is_leader                   # lease unconfirmed for > TTL
+            assert not election.is_leader                   # lease unconfirmed for > TTL ...
+            assert election.was_leader                      # ... but etcd is down: no one else leads
 
             etcd_server.start()
             restarted = time.monotonic()
@@ -163,8 +129,8 @@ def test_etcd_restart_keeps_view_and_recovers(etcd_server, run):
             took = await wait_until(lambda: view.members() == want, TTL, "view after restart")
             print(f"view current {took:.2f}s after the restart")
             assert await admin.get("policy") == b"least_load"
-            await election.wait_leader(TTL)
-            assert election.is_leader and await election.leader() == "meta-0"
+            assert await election.wait_leader(TTL) and await election.leader() == "meta-0"
+            assert not election.was_leader                  # etcd answers again
             print(f"leader again {time.monotonic() - restarted:.2f}s after the restart")
 
             [late] = await start_nodes(cluster, [("decode", "decode-9")])
@@ -266,6 +232,7 @@ def test_leader_election_failover(etcd_server, run):
             took = await wait_until(lambda: b.is_leader, TTL + 0.8, "standby leads")
             print(f"standby led {took:.2f}s after the leader's last keepalive task ended (ttl {TTL}s)")
             assert not a.is_leader and await b.leader() == "meta-b" and seen_b == [True]
+            assert not a.was_leader                 # its lease lapsed with etcd up: it must not act
 
             await c.campaign("meta-c", ttl_s=TTL)
             assert not c.is_leader

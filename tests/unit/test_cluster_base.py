@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from common.cluster.base import (Backoff, ChangeKind, ClusterKeys, MemberChange, MemberView,
-                                 RetryLog, diff_members, lease_ttl_seconds, refresh_interval)
+from common.cluster.base import (ETCD_EXPIRY_CHECK_S, Backoff, ChangeKind, ClusterKeys, MemberChange,
+                                 MemberView, RetryLog, diff_members, election_ttl_seconds,
+                                 lease_backoff, lease_ttl_seconds, refresh_interval)
 
 
 def test_key_layout():
@@ -55,6 +56,14 @@ def test_lease_ttl_rounds_up_to_whole_seconds():
             lease_ttl_seconds(bad)
 
 
+def test_election_lease_lets_a_standby_lead_within_one_membership_ttl():
+    assert [election_ttl_seconds(t) for t in (1, 2, 2.5, 3, 4, 5, 10)] == [1, 1, 1, 1, 2, 2, 5]
+    for ttl in (2, 2.5, 3, 4, 5, 7, 10, 30):      # worst takeover, with 0.5 s to spare
+        assert election_ttl_seconds(ttl) + ETCD_EXPIRY_CHECK_S <= ttl - 0.5
+    with pytest.raises(ValueError, match="ttl_s"):
+        election_ttl_seconds(0)
+
+
 def test_backoff_grows_caps_and_resets():
     backoff = Backoff(initial_s=0.1, max_s=1.0, factor=2.0, rng=random.Random(0))
     caps = []
@@ -65,6 +74,12 @@ def test_backoff_grows_caps_and_resets():
     assert caps == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.0, 1.0])
     backoff.reset()
     assert backoff.peek() == pytest.approx(0.1)
+
+
+def test_lease_backoff_retries_within_the_refresh_interval():
+    assert lease_backoff(1, 1.0).max_s == pytest.approx(1 / 3)
+    assert lease_backoff(6, 1.0).max_s == 1.0
+    assert lease_backoff(0.2, 1.0).max_s == 0.1
 
 
 def test_backoff_validates():
@@ -98,14 +113,14 @@ def test_member_view_state_and_callbacks():
     changes = []
     view = _View(on_change=changes.append)
     view._replace_all({("decode", "d0"): b"a", ("prefill", "p0"): b"b"})
-    view._set(("decode", "d0"), b"a")            # same value: no event
+    view._set(("decode", "d0"), b"a")            # put again, same value: a refresh
     view._set(("decode", "d0"), b"a2")
     view._remove(("prefill", "p0"))
     view._remove(("prefill", "p0"))              # unknown: no event
-    view._replace_all({("decode", "d0"): b"a2", ("decode", "d1"): b"c"})
+    view._replace_all({("decode", "d0"): b"a2", ("decode", "d1"): b"c"})   # a re-list: changes only
     assert [(c.kind, c.node_id, c.value) for c in changes] == [
-        (ChangeKind.ADDED, "d0", b"a"), (ChangeKind.ADDED, "p0", b"b"), (ChangeKind.UPDATED, "d0", b"a2"),
-        (ChangeKind.REMOVED, "p0", b"b"), (ChangeKind.ADDED, "d1", b"c")]
+        (ChangeKind.ADDED, "d0", b"a"), (ChangeKind.ADDED, "p0", b"b"), (ChangeKind.UPDATED, "d0", b"a"),
+        (ChangeKind.UPDATED, "d0", b"a2"), (ChangeKind.REMOVED, "p0", b"b"), (ChangeKind.ADDED, "d1", b"c")]
     snapshot = view.members()
     snapshot.clear()                             # a copy: the view is unchanged
     assert view.members() == {("decode", "d0"): b"a2", ("decode", "d1"): b"c"}

@@ -1,6 +1,7 @@
 """MetaAdmin in-process over a real gRPC channel (create_server on port 0): node states
 up -> draining -> down -> forgotten, drain/undrain/remove, policy, stats, status codes,
-health and reflection, and the `pdmesh admin` CLI against it."""
+health and reflection, and the `pdmesh admin` CLI against it; leadership with a fake
+election (who may route, a new leader's admin state reload)."""
 from __future__ import annotations
 
 import asyncio
@@ -260,3 +261,64 @@ def test_store_backed_admin_state_survives_a_restart_and_reports_a_down_store():
 
     run_with_meta(first, admin_state=StoreAdminState(store, "least_load"))
     run_with_meta(restarted, admin_state=StoreAdminState(store, "least_load"))
+
+
+class FakeElection:
+    """A LeaderElection whose state the test sets; campaign() wins at once."""
+
+    def __init__(self, on_change=None):
+        self.on_change = on_change
+        self.is_leader = self.was_leader = False
+        self.ttl_s = None
+
+    async def campaign(self, candidate_id, ttl_s):
+        self.ttl_s, self.is_leader = ttl_s, True
+        self.on_change(True)
+
+
+class FakeCluster:
+    def election(self, on_change):
+        self.elected = FakeElection(on_change)
+        return self.elected
+
+
+def control_with(admin_state):
+    from services.meta_server.control import MetaControl
+    from services.meta_server.registry import EmbeddedRegistry
+    from services.meta_server.router import Router
+    return MetaControl(EmbeddedRegistry(), Router(), admin_state)
+
+
+@pytest.mark.parametrize("is_leader,was_leader,ready,reason", [
+    (True, False, True, None),
+    (True, False, False, "meta-server m:1 is taking over; retry"),
+    (False, True, True, None),                 # led when etcd went away: keeps routing
+    (False, False, True, "meta-server m:1 is a standby; another meta-server leads"),
+])
+def test_standby_reason_follows_the_election(is_leader, was_leader, ready, reason):
+    from services.meta_server.admin_state import InMemoryAdminState
+    control = control_with(InMemoryAdminState("least_load"))
+    assert control.standby_reason() is None    # no election: the only meta-server
+    control.election, control.candidate_id, control.leader_ready = FakeElection(), "m:1", ready
+    control.election.is_leader, control.election.was_leader = is_leader, was_leader
+    assert control.standby_reason() == reason
+
+
+def test_a_new_leader_campaigns_on_half_the_ttl_and_reloads_the_admin_state_when_etcd_answers():
+    from services.meta_server.admin_state import StoreAdminState
+    from services.meta_server.server import campaign
+    store = FakeAdminStore()
+
+    async def main():
+        control = control_with(StoreAdminState(store, "least_load"))
+        control.candidate_id = "m:1"
+        store.down = True
+        cluster = FakeCluster()
+        await campaign(control, cluster, ttl_s=5.0)
+        assert cluster.elected.ttl_s == 2
+        await asyncio.sleep(0.3)                   # the reload keeps failing: no routing yet
+        assert control.standby_reason() == "meta-server m:1 is taking over; retry"
+        store.data["policy"], store.down = b"round_robin", False
+        await asyncio.wait_for(control.take_over_task, 5)
+        assert control.standby_reason() is None and control.policy() == "round_robin"
+    asyncio.run(main())

@@ -1,0 +1,149 @@
+"""How an engine node stays in the mesh: keep it registered and report its load every
+TTL/3 until close(). One interface, two implementations; create_registration is the one
+place that picks (etcd when the mesh has an etcd_endpoint), to match the meta-server's
+registry (services/meta_server/registry):
+
+  RpcRegistration   Register with the meta-server, then Heartbeat(load); register again
+                    when the meta-server forgot the node (NOT_FOUND) or was unreachable;
+                    close() deregisters.
+  EtcdRegistration  NodeInfo on the node's own etcd lease (a common.cluster Membership
+                    keeps the lease alive and re-registers after it expired), put again
+                    with the current load each time; close() revokes the lease.
+
+Lifecycle: start() (a task of the running loop; returns at once) -> report every TTL/3
+-> close(). Never raises because the meta-server or etcd is away: it logs and retries.
+`node_info` is called for every report and returns the node's current NodeInfo.
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from typing import Callable
+
+import grpc
+
+from common.config import MeshConfig
+from protos.pdmesh.v1 import common_pb2, meta_pb2, meta_pb2_grpc
+from services import grpc_util
+
+log = logging.getLogger("pdmesh.node")
+
+NodeInfoFn = Callable[[], common_pb2.NodeInfo]
+
+
+class NodeRegistration(abc.ABC):
+    def __init__(self, node_info: NodeInfoFn, ttl_s: float):
+        self.node_info, self.ttl_s = node_info, ttl_s
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="node registration")
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._report()
+            except Exception:
+                log.exception("node registration: report failed; retrying")
+            await asyncio.sleep(self.ttl_s / 3)
+
+    @property
+    @abc.abstractmethod
+    def registered(self) -> bool:
+        """True while the node is believed registered."""
+
+    @abc.abstractmethod
+    async def _report(self) -> None:
+        """Register if not registered, else report the current load. Logs (does not
+        raise) when the other side is away."""
+
+    @abc.abstractmethod
+    async def _leave(self) -> None:
+        """Leave the mesh now; best effort."""
+
+    async def close(self) -> None:
+        """Stop reporting and leave. Idempotent."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await self._leave()
+
+
+class RpcRegistration(NodeRegistration):
+    def __init__(self, meta_address: str, node_info: NodeInfoFn, ttl_s: float):
+        super().__init__(node_info, ttl_s)
+        self.meta_address = meta_address
+        self._channel = grpc_util.channel(meta_address)
+        self._stub = meta_pb2_grpc.MetaServerStub(self._channel)
+        self._registered = False
+
+    @property
+    def registered(self) -> bool:
+        return self._registered
+
+    async def _report(self) -> None:
+        info = self.node_info()
+        try:
+            if self._registered:
+                try:
+                    await self._stub.Heartbeat(meta_pb2.HeartbeatRequest(node_id=info.node_id, load=info.load),
+                                               timeout=self.ttl_s)
+                    return
+                except grpc.aio.AioRpcError as e:
+                    if e.code() != grpc.StatusCode.NOT_FOUND:
+                        raise
+                    self._registered = False       # the meta-server forgot us: register now
+            await self._stub.Register(meta_pb2.RegisterRequest(node=info, ttl_seconds=self.ttl_s),
+                                      timeout=self.ttl_s)
+            self._registered = True
+            log.info("%s registered with the meta-server at %s", info.node_id, self.meta_address)
+        except grpc.aio.AioRpcError as e:
+            self._registered = False
+            log.warning("meta-server at %s: %s %s; retrying", self.meta_address, e.code().name, e.details())
+
+    async def _leave(self) -> None:
+        try:
+            await self._stub.Deregister(meta_pb2.DeregisterRequest(node_id=self.node_info().node_id), timeout=1)
+        except grpc.aio.AioRpcError:
+            pass
+        self._registered = False
+        await self._channel.close()
+
+
+class EtcdRegistration(NodeRegistration):
+    def __init__(self, etcd_cfg, node_info: NodeInfoFn, ttl_s: float):
+        """etcd_cfg: a common.cluster EtcdConfig."""
+        from common.cluster.etcd import EtcdCluster
+        super().__init__(node_info, ttl_s)
+        self._cluster = EtcdCluster(etcd_cfg)
+        self.membership = self._cluster.membership()
+        self._started = False
+
+    @property
+    def registered(self) -> bool:
+        return self.membership.registered
+
+    async def _report(self) -> None:
+        info = self.node_info()
+        if self._started:
+            await self.membership.update(info.SerializeToString())
+            return
+        self._started = True
+        await self.membership.start(info.role, info.node_id, info.SerializeToString(), ttl_s=self.ttl_s)
+        log.info("%s registering in etcd at %s", info.node_id, self._cluster.cfg.endpoint)
+
+    async def _leave(self) -> None:
+        await self.membership.close()
+        await self._cluster.close()
+
+
+def create_registration(mesh: MeshConfig, node_info: NodeInfoFn) -> NodeRegistration:
+    """In etcd when the mesh has an etcd_endpoint, else with the meta-server; either way
+    on the meta-server's TTL."""
+    etcd = mesh.etcd_config()
+    if etcd is not None:
+        return EtcdRegistration(etcd, node_info, mesh.meta.ttl_seconds)
+    return RpcRegistration(mesh.meta.address, node_info, mesh.meta.ttl_seconds)
