@@ -82,6 +82,8 @@ class AsyncEngine:
     # ---- caller side (event loop) --------------------------------------------------
     def _submit(self, command: Callable[[], None]) -> None:
         with self._wake:
+            if self._stopped:
+                raise EngineDeadError("the engine is shut down")
             self._commands.append(command)
             self._wake.notify()
 
@@ -253,12 +255,19 @@ class AsyncEngine:
                 with self._wake:
                     while not self._stopped and not self._commands and not self.engine.has_unfinished():
                         self._wake.wait()
-                    if self._stopped:
-                        return
                     commands = list(self._commands)
                     self._commands.clear()
                 for command in commands:
                     command()
+                if self._stopped:
+                    # no command is queued after the flag (see _submit): run the last ones,
+                    # so that no caller waits forever on one that never ran
+                    with self._wake:
+                        commands = list(self._commands)
+                        self._commands.clear()
+                    for command in commands:
+                        command()
+                    return
                 if self.engine.has_unfinished():
                     for out in self.engine.step():
                         entry = self._queues.get(out.request_id)

@@ -22,6 +22,7 @@ import time
 
 import grpc
 
+from common.engine.async_engine import EngineDeadError
 from common.transfer.base import TransferError
 from common.transfer.layout import KVLayout
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -101,7 +102,10 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             if store is not None:
                 await store.finish(put=finished)
         finally:
-            await self.node.engine.release(request_id)
+            try:
+                await self.node.engine.release(request_id)
+            except EngineDeadError:
+                pass  # shutting down: the blocks go with the engine
 
     async def CancelPrefill(self, request, context):
         entry = self.inflight.get(request.request_id)

@@ -102,3 +102,21 @@ def test_async_client_leaving_early_aborts(llm):
         assert asyncio.run(scenario())["used_blocks"] == 0
     finally:
         engine.shutdown()
+
+
+def test_async_engine_after_shutdown_fails_fast_and_never_strands_a_caller(llm):
+    """A call made once the engine is shut down is an EngineDeadError at once (a node's
+    background task finishing during shutdown must not wait forever)."""
+    from common.engine.async_engine import EngineDeadError
+    engine = AsyncEngine(llm.engine)
+
+    async def scenario():
+        assert (await engine.stats())["used_blocks"] == 0
+        engine.shutdown()
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await asyncio.wait_for(engine.release("gone"), 5)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for _ in engine.generate("late", [5, 6], SamplingParams(max_tokens=2)):
+                pass
+
+    asyncio.run(scenario())
