@@ -35,11 +35,14 @@ class Client:
     """One persistent channel to the gateway, on its own event loop, ready before use."""
 
     def __init__(self, address: str):
+        self.loop = asyncio.new_event_loop()
+        self.loop.run_until_complete(self._connect(address))
+
+    async def _connect(self, address: str) -> None:
         import grpc
         from protos.pdmesh.v1 import gateway_pb2_grpc
-        self.loop = asyncio.new_event_loop()
         self.channel = grpc.aio.insecure_channel(address)
-        self.loop.run_until_complete(asyncio.wait_for(self.channel.channel_ready(), 30))
+        await asyncio.wait_for(self.channel.channel_ready(), 30)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
     def first_token(self, ids: list[int]):
