@@ -133,19 +133,30 @@ class AsyncEngine:
             raise EngineDeadError(str(self._error))
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self.engine.validate_request(request_id, prompt_token_ids, params)
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = (loop, queue)
         if remote is not None and external is not None:
             raise ValueError("remote and external are exclusive")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
         handler = remote or external
+
+        def add() -> None:
+            self._add(request_id, prompt_token_ids, params, handler is not None, add_options)
+
+        self._queues[request_id] = (loop, queue)
         if handler is not None:
             self._remote[request_id] = handler
+        try:  # a ValueError leaves nothing queued: added at once (add_request validates) or not yet
+            added, _ = self._run_now(add)
+            if not added:
+                self.engine.validate_request(request_id, prompt_token_ids, params)
+        except BaseException:
+            self._queues.pop(request_id, None)
+            self._remote.pop(request_id, None)
+            raise
         finished = False
         try:
-            await self._run_on_engine(lambda: self._add(request_id, prompt_token_ids, params,
-                                                        handler is not None, add_options))
+            if not added:
+                await self._run_on_engine(add)
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
