@@ -34,6 +34,8 @@ Thread-safety: event loop only (both sides).
 """
 from __future__ import annotations
 
+import time
+
 import grpc
 
 STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
@@ -54,10 +56,27 @@ class CallError(Exception):
 
 class CallContext:
     """Stands in for an RPC handler's ServicerContext when the handler serves a call of a
-    stream: `await context.abort(code, details)` raises CallError instead."""
+    stream: `await context.abort(code, details)` raises CallError instead. Only what
+    our handlers use is here (abort, and the read-only cancelled, peer,
+    invocation_metadata, time_remaining)."""
+
+    def __init__(self, timeout_s: float = 0.0):
+        self._deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()):
         raise CallError(code, details)
+
+    def cancelled(self) -> bool:
+        return False  # a stopped call's task is cancelled instead
+
+    def peer(self) -> str:
+        return "call-stream"
+
+    def invocation_metadata(self) -> tuple:
+        return ()
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
 
 from services.call_stream.client import CallStreamClient, StreamingCall  # noqa: E402

@@ -14,6 +14,7 @@ import grpc
 from services.call_stream import STATUS_BY_VALUE, rpc_error
 
 _BARE_FIELDS = {"call_id", "end", "code", "message"}
+_KEPT = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
 
 
 def _broken(e: Exception) -> grpc.aio.AioRpcError:
@@ -22,7 +23,7 @@ def _broken(e: Exception) -> grpc.aio.AioRpcError:
     except a status the stream itself ended with that callers act on (UNIMPLEMENTED,
     CANCELLED)."""
     if isinstance(e, grpc.aio.AioRpcError):
-        if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
+        if e.code() in _KEPT:
             return rpc_error(e.code(), e.details())
         return rpc_error(grpc.StatusCode.UNAVAILABLE, f"the stream broke: {e.code().name} {e.details()}")
     return rpc_error(grpc.StatusCode.UNAVAILABLE, f"the stream is closed: {e}")

@@ -85,8 +85,8 @@ class CallStreamServer:
                 self._background(self.cancel(call_id, None))
             return
         if call_id in self._tasks:
-            self._background(self._write(self._error(
-                call_id, grpc.StatusCode.INVALID_ARGUMENT, f"call_id {call_id} is already in use on this stream")))
+            message = f"call_id {call_id} is already in use on this stream"
+            self._background(self._write(self._error(call_id, grpc.StatusCode.INVALID_ARGUMENT, message)))
             return
         task = loop.create_task(self._run(call_id, request))
         self._tasks[call_id], self._requests[call_id] = task, request
@@ -145,7 +145,8 @@ class CallStreamServer:
             timer.cancel()
         code = self._cancel_codes.pop(call_id, grpc.StatusCode.CANCELLED)
         if task.cancelled() and code is not None:
-            text = "deadline exceeded" if code == grpc.StatusCode.DEADLINE_EXCEEDED else "the call was cancelled"
+            expired = code == grpc.StatusCode.DEADLINE_EXCEEDED
+            text = "deadline exceeded" if expired else "the call was cancelled"
             answer = self._answers[call_id] = self._background(self._write(self._error(call_id, code, text)))
             answer.add_done_callback(lambda _: self._answers.pop(call_id, None))
 

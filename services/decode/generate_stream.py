@@ -20,7 +20,7 @@ async def serve_generate_stream(servicer, request_iterator, context) -> None:
     async def handle(request):
         if not request.HasField("generate"):
             raise CallError(grpc.StatusCode.INVALID_ARGUMENT, "generate is required")
-        async for reply in servicer.Generate(request.generate, CallContext()):
+        async for reply in servicer.Generate(request.generate, CallContext(request.timeout_s)):
             yield engine_pb2.GenerateStreamResponse(response=reply, end=bool(reply.finish_reason))
 
     await CallStreamServer(handle, engine_pb2.GenerateStreamResponse).serve(request_iterator, context)

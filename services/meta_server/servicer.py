@@ -63,7 +63,8 @@ class MetaServicer(meta_pb2_grpc.MetaServerServicer):
     async def RouteStream(self, request_iterator, context):
         """Route, one call per message of a long-lived stream (services/call_stream)."""
         async def route(request):
-            return meta_pb2.RouteStreamResponse(route=await self.Route(request.route, CallContext()))
+            reply = await self.Route(request.route, CallContext(request.timeout_s))
+            return meta_pb2.RouteStreamResponse(route=reply)
 
         await CallStreamServer(route, meta_pb2.RouteStreamResponse).serve(request_iterator, context)
 

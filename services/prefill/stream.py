@@ -24,10 +24,12 @@ async def serve_prefill_stream(servicer, request_iterator, context) -> None:
     async def handle(request) -> engine_pb2.PrefillStreamResponse:
         kind = request.WhichOneof("call")
         if kind == "prefill":
-            return engine_pb2.PrefillStreamResponse(prefill=await servicer.Prefill(request.prefill, CallContext()))
+            reply = await servicer.Prefill(request.prefill, CallContext(request.timeout_s))
+            return engine_pb2.PrefillStreamResponse(prefill=reply)
         if kind == "cancel_call_id":
             was_running = await calls.cancel(request.cancel_call_id)
-            return engine_pb2.PrefillStreamResponse(cancel=engine_pb2.CancelPrefillResponse(was_running=was_running))
+            return engine_pb2.PrefillStreamResponse(
+                cancel=engine_pb2.CancelPrefillResponse(was_running=was_running))
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT, "one of prefill or cancel_call_id is required")
 
     async def stop(request) -> None:

@@ -50,13 +50,15 @@ class Harness:
     def client(self, kind: str) -> tuple[grpc.aio.Channel, CallStreamClient]:
         request_type, response_type = UNARY if kind == "Unary" else STREAMING
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
-        open_stream = channel.stream_stream(f"/{SERVICE}/{kind}", request_serializer=request_type.SerializeToString,
+        open_stream = channel.stream_stream(f"/{SERVICE}/{kind}",
+                                            request_serializer=request_type.SerializeToString,
                                             response_deserializer=response_type.FromString)
         return channel, CallStreamClient(open_stream)
 
 
 def route(name: str, delay_ms: int = 0) -> meta_pb2.RouteStreamRequest:
-    return meta_pb2.RouteStreamRequest(route=meta_pb2.RouteRequest(request_id=name, num_prompt_tokens=delay_ms))
+    return meta_pb2.RouteStreamRequest(route=meta_pb2.RouteRequest(request_id=name,
+                                                                   num_prompt_tokens=delay_ms))
 
 
 def run(test, unary=None, streaming=None):
@@ -79,7 +81,8 @@ async def echo_after_delay(request):
         raise CallError(grpc.StatusCode.UNAVAILABLE, "no live decode node for model 'm'")
     if r.request_id == "bug":
         raise RuntimeError("boom")
-    return meta_pb2.RouteStreamResponse(route=meta_pb2.RouteResponse(decode=common_pb2.NodeInfo(node_id=r.request_id)))
+    decode = common_pb2.NodeInfo(node_id=r.request_id)
+    return meta_pb2.RouteStreamResponse(route=meta_pb2.RouteResponse(decode=decode))
 
 
 def test_unary_calls_are_matched_by_call_id_whatever_the_order():
@@ -210,8 +213,8 @@ async def count_up(request):
         if i == fail_after:
             raise CallError(grpc.StatusCode.UNAVAILABLE, "decode node went away")
         last = mark_last and i == n - 1
-        yield engine_pb2.GenerateStreamResponse(
-            response=engine_pb2.DecodeResponse(token_ids=[i], finish_reason="length" if last else ""), end=last)
+        reply = engine_pb2.DecodeResponse(token_ids=[i], finish_reason="length" if last else "")
+        yield engine_pb2.GenerateStreamResponse(response=reply, end=last)
         await asyncio.sleep(0)
 
 
@@ -220,7 +223,8 @@ def test_streaming_calls_interleave_and_end_on_their_last_message():
         channel, client = h.client("Streaming")
 
         async def collect(req):
-            return [(list(m.response.token_ids), m.response.finish_reason, m.end) async for m in client.open(req, 5)]
+            return [(list(m.response.token_ids), m.response.finish_reason, m.end)
+                    async for m in client.open(req, 5)]
 
         a, b, bare = await asyncio.gather(collect(generate(3)), collect(generate(2)),
                                           collect(generate(2, mark_last=False)))
@@ -241,7 +245,8 @@ def test_streaming_error_after_partial_output():
             async for m in client.open(generate(5, fail_after=2), 5):
                 got.append(m.response.token_ids[0])
         assert got == [0, 1]
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and err.value.details() == "decode node went away"
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert err.value.details() == "decode node went away"
         await client.close()
         await channel.close()
     run(test, streaming=count_up)

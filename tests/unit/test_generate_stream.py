@@ -29,7 +29,8 @@ class FakeDecode(engine_pb2_grpc.DecodeServicer):
         try:
             for i in range(n):
                 await asyncio.sleep(every_ms / 1000)
-                yield engine_pb2.DecodeResponse(token_ids=[100 + i], finish_reason="length" if i == n - 1 else "")
+                last = i == n - 1
+                yield engine_pb2.DecodeResponse(token_ids=[100 + i], finish_reason="length" if last else "")
         except asyncio.CancelledError:
             self.events.append(("aborted", rid))
             raise

@@ -85,7 +85,8 @@ def run(test, servicer_type=FakePrefill):
         prefill = common_pb2.NodeInfo(node_id="prefill-0", address=f"127.0.0.1:{port}")
 
         def call(rid: str, ms: int, timeout_s: float = 10.0) -> RemotePrefillCall:
-            return RemotePrefillCall(node, rid, [ms, 5, 6], common_pb2.SamplingParams(), prefill, timeout_s, streams)
+            return RemotePrefillCall(node, rid, [ms, 5, 6], common_pb2.SamplingParams(), prefill, timeout_s,
+                                     streams)
 
         try:
             await test(call, servicer, streams)
