@@ -7,12 +7,14 @@ same on every host and never depends on PYTHONHASHSEED. `h_{-1}` is the empty st
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from array import array
 from collections.abc import Sequence
 import sys
 
 DIGEST_SIZE = 16
+_ITEMSIZE = array("i").itemsize
 
 
 def _pack(token_ids: Sequence[int]) -> bytes:
@@ -30,23 +32,30 @@ def layout_key(layout) -> str:
             f":D{layout.head_dim}:B{layout.block_size}")
 
 
+@functools.lru_cache(maxsize=256)
+def _suffix(model_id: str, layout: str) -> bytes:
+    return model_id.encode() + b"\x00" + layout.encode()
+
+
 def block_hash(parent: bytes | None, token_ids: Sequence[int], model_id: str = "",
                layout: str = "") -> bytes:
     """Hash of one full block given the hash of the block before it (None for the first)."""
-    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
-    h.update(parent or b"")
+    h = hashlib.blake2b(parent or b"", digest_size=DIGEST_SIZE)
     h.update(_pack(token_ids))
-    h.update(model_id.encode())
-    h.update(b"\x00")
-    h.update(layout.encode())
+    h.update(_suffix(model_id, layout))
     return h.digest()
 
 
 def hash_block_chain(token_ids: Sequence[int], block_size: int, model_id: str = "",
                      layout: str = "", parent: bytes | None = None) -> list[bytes]:
-    """Hashes of every full block of token_ids; a trailing partial block has none."""
+    """Hashes of every full block of token_ids; a trailing partial block has none.
+    (block_hash over each block; the ids are packed once.)"""
+    packed, suffix, step = _pack(token_ids), _suffix(model_id, layout), _ITEMSIZE * block_size
     hashes: list[bytes] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, token_ids[start:start + block_size], model_id, layout)
+    for start in range(0, (len(token_ids) // block_size) * step, step):
+        h = hashlib.blake2b(parent or b"", digest_size=DIGEST_SIZE)
+        h.update(packed[start:start + step])
+        h.update(suffix)
+        parent = h.digest()
         hashes.append(parent)
     return hashes

@@ -17,10 +17,13 @@ With `external=loader` the admitted request first waits in REMOTE_PREFILL while
 kv-store); it then computes only the rest (from scratch past the local hits when load
 raises). Cancel safety as for remote prefill: `loader.cancel()` is awaited first.
 
-Validation happens in the caller (ValueError before anything is queued). Adds and aborts
-are handed to the step thread through a command queue and applied between steps, so the
-event loop never waits for a step. `abort` returns once the request's blocks are freed;
-leaving the `async for` early aborts the request the same way.
+Validation happens in the caller (ValueError before anything is queued). Adds, aborts
+and commits run between steps, so the event loop never waits for a step: when the step
+thread is idle (no step running, no command queued) they run at once on the caller's
+thread, under the engine lock; otherwise they are queued for the step thread, which
+applies them in order before its next step. Either way one thread at a time touches the
+engine, and commands apply in submission order. `abort` returns once the request's blocks
+are freed; leaving the `async for` early aborts the request the same way.
 """
 from __future__ import annotations
 
@@ -66,6 +69,7 @@ class AsyncEngine:
         self.engine = engine if isinstance(engine, LLMEngine) else LLMEngine(engine)
         self._commands: deque[Callable[[], None]] = deque()
         self._wake = threading.Condition()
+        self._engine_lock = threading.Lock()   # held while the engine runs commands or a step
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._remote: dict[str, RemotePrefill | ExternalKV] = {}
         self._remote_tasks: dict[str, asyncio.Task] = {}
@@ -87,10 +91,28 @@ class AsyncEngine:
             self._commands.append(command)
             self._wake.notify()
 
+    def _run_now(self, fn: Callable[[], Any]) -> tuple[bool, Any]:
+        """Run fn here if the step thread is idle and nothing is queued before it:
+        (True, result), or (False, None) when it must be queued. fn's exception propagates.
+        Takes _wake, then the engine lock, in the step thread's order; never blocks on a step."""
+        with self._wake:
+            if self._stopped or self._commands or not self._engine_lock.acquire(blocking=False):
+                return False, None
+            try:
+                return True, fn()
+            finally:
+                self._engine_lock.release()
+                if self.engine.has_unfinished():
+                    self._wake.notify()  # fn left work for a step
+
     async def _run_on_engine(self, fn: Callable[[], Any]) -> Any:
-        """Run fn on the step thread between steps and await its result."""
+        """Run fn between steps (at once when the step thread is idle, see the module
+        docstring) and return its result."""
         if self._error is not None:
             raise EngineDeadError(str(self._error))
+        ran, result = self._run_now(fn)
+        if ran:
+            return result
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 
@@ -113,20 +135,30 @@ class AsyncEngine:
             raise EngineDeadError(str(self._error))
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self.engine.validate_request(request_id, prompt_token_ids, params)
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = (loop, queue)
         if remote is not None and external is not None:
             raise ValueError("remote and external are exclusive")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
         handler = remote or external
+
+        def add() -> None:
+            self._add(request_id, prompt_token_ids, params, handler is not None, add_options)
+
+        self._queues[request_id] = (loop, queue)
         if handler is not None:
             self._remote[request_id] = handler
+        try:  # a ValueError leaves nothing queued: added at once (add_request validates) or not yet
+            added, _ = self._run_now(add)
+            if not added:
+                self.engine.validate_request(request_id, prompt_token_ids, params)
+        except BaseException:
+            self._queues.pop(request_id, None)
+            self._remote.pop(request_id, None)
+            raise
         finished = False
         try:
-            await self._run_on_engine(lambda: self.engine.add_request(
-                request_id, prompt_token_ids, params, remote_prefill=handler is not None,
-                **add_options))
+            if not added:
+                await self._run_on_engine(add)
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -140,6 +172,15 @@ class AsyncEngine:
             self._remote.pop(request_id, None)
             if not finished and self._error is None and not self._stopped:
                 await asyncio.shield(self._abort_safely(request_id, handler))
+
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+             remote_prefill: bool, add_options: dict[str, Any]) -> None:
+        """Engine side of generate: queue the request; a remote one is admitted at once
+        when no step work is pending (its handler starts without waiting for a step)."""
+        self.engine.add_request(request_id, prompt_token_ids, params, remote_prefill=remote_prefill,
+                                **add_options)
+        if remote_prefill:
+            self.engine.admit_remote()
 
     async def _abort_safely(self, request_id: str, remote: RemotePrefill | ExternalKV | None) -> None:
         task = self._remote_tasks.get(request_id)
@@ -167,14 +208,19 @@ class AsyncEngine:
 
     # ---- remote prefill (decode side) ----------------------------------------------
     def _on_remote_admit(self, seq) -> None:
-        """Step thread: the sequence got its blocks; start its remote prefill."""
+        """Engine side (step thread, or the caller's when admitted at once): the sequence
+        got its blocks; start its remote prefill on the caller's loop."""
         entry = self._queues.get(seq.request_id)
         remote = self._remote.get(seq.request_id)
         if entry is None or remote is None:
             self.engine.fallback_local(seq.request_id)
             return
         block_ids, cached = list(seq.block_ids), seq.num_computed_tokens
-        entry[0].call_soon_threadsafe(self._start_remote, seq.request_id, remote, block_ids, cached)
+        loop = entry[0]
+        if _running_loop() is loop:  # admitted at once by the caller (see _add)
+            loop.call_soon(self._start_remote, seq.request_id, remote, block_ids, cached)
+        else:
+            loop.call_soon_threadsafe(self._start_remote, seq.request_id, remote, block_ids, cached)
 
     def _start_remote(self, request_id: str, remote: RemotePrefill | ExternalKV,
                       block_ids: list[int], cached: int) -> None:
@@ -257,27 +303,38 @@ class AsyncEngine:
                         self._wake.wait()
                     commands = list(self._commands)
                     self._commands.clear()
-                for command in commands:
-                    command()
-                if self._stopped:
-                    # no command is queued after the flag (see _submit): run the last ones,
-                    # so that no caller waits forever on one that never ran
-                    with self._wake:
-                        commands = list(self._commands)
-                        self._commands.clear()
+                    self._engine_lock.acquire()  # before _wake is released: keeps command order
+                try:
                     for command in commands:
                         command()
-                    return
-                if self.engine.has_unfinished():
-                    for out in self.engine.step():
-                        entry = self._queues.get(out.request_id)
-                        if entry is not None:
-                            entry[0].call_soon_threadsafe(entry[1].put_nowait, out)
+                    if self._stopped:
+                        # no command is queued after the flag (see _submit): run the last
+                        # ones, so that no caller waits forever on one that never ran
+                        with self._wake:
+                            commands = list(self._commands)
+                            self._commands.clear()
+                        for command in commands:
+                            command()
+                        return
+                    if self.engine.has_unfinished():
+                        for out in self.engine.step():
+                            entry = self._queues.get(out.request_id)
+                            if entry is not None:
+                                entry[0].call_soon_threadsafe(entry[1].put_nowait, out)
+                finally:
+                    self._engine_lock.release()
         except BaseException as e:
             log.exception("engine step loop died")
             self._error = e
             for loop, queue in list(self._queues.values()):
                 loop.call_soon_threadsafe(queue.put_nowait, e)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

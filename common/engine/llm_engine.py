@@ -200,6 +200,16 @@ class LLMEngine:
         self.scheduler.add_running(seq)
         return True
 
+    def admit_remote(self) -> None:
+        """Admit waiting remote-prefill sequences now (on_remote_admit is told), when that
+        is all a step would do: nothing running, every waiting sequence remote. Otherwise
+        the next step admits them."""
+        sched = self.scheduler
+        if sched.running or not all(seq.remote_prefill for seq in sched.waiting):
+            return
+        out = sched.schedule()
+        assert out.is_empty, "a schedule with nothing running admits remote sequences only"
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -9,6 +9,10 @@ Lifecycle of a Generate RPC here:
      finish_reason and usage
 Client cancel: the request is aborted, a running remote prefill cancelled first, and its
 blocks freed.
+
+GenerateStream carries a gateway's Generate calls over one long-lived stream
+(services/decode/generate_stream.py); each call is served by Generate as above, and
+leaving it (or the stream ending) is a client cancel.
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ import grpc
 from common.engine.async_engine import EngineDeadError
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.convert import sampling_from_proto, usage
-from services.decode.remote_prefill import RemotePrefillCall
+from services.decode.generate_stream import serve_generate_stream
+from services.decode.remote_prefill import PrefillStreams, RemotePrefillCall
 from services.engine_node import EngineNode
 
 log = logging.getLogger("pdmesh.decode")
@@ -29,6 +34,7 @@ log = logging.getLogger("pdmesh.decode")
 class DecodeServicer(engine_pb2_grpc.DecodeServicer):
     def __init__(self, node: EngineNode):
         self.node = node
+        self.prefill_streams = PrefillStreams(node)
 
     async def Generate(self, request, context):
         rid, prompt = request.request_id, list(request.prompt_token_ids)
@@ -44,7 +50,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         remote = None
         if request.HasField("prefill") and request.prefill.address:
             remote = RemotePrefillCall(self.node, rid, prompt, request.sampling, request.prefill,
-                                       self.node.node.prefill_timeout_s)
+                                       self.node.node.prefill_timeout_s, self.prefill_streams)
         num_out = 0
         start = time.perf_counter()
         try:
@@ -64,6 +70,10 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
             await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {e}")
+
+    async def GenerateStream(self, request_iterator, context):
+        """Generate calls of one gateway over one stream."""
+        await serve_generate_stream(self, request_iterator, context)
 
     @staticmethod
     def _timing(remote, out, elapsed_s: float) -> common_pb2.PrefillTiming:

@@ -2,8 +2,10 @@
 
 Lifecycle of a Generate RPC:
   validate + tokenize (INVALID_ARGUMENT naming the field)
-  -> Route at the meta-server with the prompt's block hashes (UNAVAILABLE when no decode node)
-  -> the decode node's Generate stream (it prefills locally or through the prefill node);
+  -> Route at the meta-server with the prompt's block hashes (UNAVAILABLE when no decode node),
+     over one long-lived RouteStream (services/gateway/meta_client.py)
+  -> the decode node's Generate stream, a call on one long-lived GenerateStream per decode
+     node (services/gateway/decode_client.py; it prefills locally or through the prefill node);
      a decode node that is UNAVAILABLE before sending anything (e.g. just died, not yet
      expired by the meta-server) is excluded and the request routed again
   -> incremental detokenization, stop strings -> GenerateResponse chunks; the last one
@@ -21,9 +23,8 @@ from common.engine.stop_strings import StopStringMatcher
 from common.hashing import hash_block_chain, layout_key
 from common.model.detokenizer import IncrementalDetokenizer
 from common.model.tokenizer import Tokenizer
-from protos.pdmesh.v1 import (engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc, meta_pb2,
-                              meta_pb2_grpc)
-from services import grpc_util
+from protos.pdmesh.v1 import engine_pb2, gateway_pb2, gateway_pb2_grpc, meta_pb2
+from services.gateway.decode_client import DecodeClient
 from services.gateway.meta_client import MetaClient
 from common.engine.validation import validate_request
 from services.convert import sampling_from_proto
@@ -43,7 +44,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             meta_addresses = [meta_addresses]
         self.meta = MetaClient(meta_addresses)
         self.request_timeout_s = request_timeout_s
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.decode = DecodeClient()
         self._hash_args: tuple[int, str, str] | None = None   # block_size, model_id, layout
 
     async def _block_hashes(self, ids: list[int]) -> list[bytes]:
@@ -62,11 +63,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 return []
         block_size, model_id, layout = self._hash_args
         return hash_block_chain(ids, block_size, model_id, layout)
-
-    def _decode_stub(self, address: str) -> engine_pb2_grpc.DecodeStub:
-        if address not in self._channels:
-            self._channels[address] = grpc_util.channel(address)
-        return engine_pb2_grpc.DecodeStub(self._channels[address])
 
     def _check_model(self, model: str) -> None:
         if model and model != self.model_id:
@@ -99,7 +95,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         excluded: list[str] = []
         for attempt in range(MAX_ROUTE_ATTEMPTS):
             try:
-                route = await self.meta.call("Route", meta_pb2.RouteRequest(
+                route = await self.meta.route(meta_pb2.RouteRequest(
                     request_id=rid, model_id=self.model_id, num_prompt_tokens=len(ids),
                     block_hashes=hashes, exclude_node_ids=excluded), timeout=5)
             except grpc.aio.AioRpcError as e:
@@ -108,7 +104,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                                   sampling=request.sampling)
             if not route.local_prefill:
                 downstream.prefill.CopyFrom(route.prefill)
-            call = self._decode_stub(route.decode.address).Generate(downstream, timeout=self.request_timeout_s)
+            call = self.decode.generate(route.decode.address, downstream, self.request_timeout_s)
             detok = IncrementalDetokenizer(self.tokenizer, ids)
             matcher = StopStringMatcher(params.stop)
             num_out = 0
@@ -163,5 +159,4 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def close(self) -> None:
         await self.meta.close()
-        for ch in self._channels.values():
-            await ch.close()
+        await self.decode.close()

@@ -30,6 +30,7 @@ from services.convert import sampling_from_proto
 from services.engine_node import EngineNode
 from services.prefill.kv_push import KVPusher
 from services.prefill.store_prefix import StorePrefix
+from services.prefill.stream import serve_prefill_stream
 
 log = logging.getLogger("pdmesh.prefill")
 
@@ -117,6 +118,23 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             await store.cancel()  # no store read may land in blocks the abort frees
         await self.node.engine.abort(request.request_id)
         return engine_pb2.CancelPrefillResponse(was_running=True)
+
+    async def stop_writes(self, request_id: str) -> bool:
+        """Stop a running prefill's KV writes (and kv-store reads) and return once none
+        can land any more; the prefill itself goes on until its caller cancels it. False
+        if it is not running."""
+        entry = self.inflight.get(request_id)
+        if entry is None:
+            return False
+        pusher, store = entry
+        await pusher.stop()
+        if store is not None:
+            await store.cancel()
+        return True
+
+    async def PrefillStream(self, request_iterator, context):
+        """Prefill and CancelPrefill calls of one decode node over one stream."""
+        await serve_prefill_stream(self, request_iterator, context)
 
     async def GetEngineStats(self, request, context):
         return self.node.engine_stats(pending_transfers=len(self.inflight))

@@ -19,6 +19,32 @@ class DecodeRequest(_message.Message):
     prefill: _common_pb2.NodeInfo
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ...) -> None: ...
 
+class GenerateStreamRequest(_message.Message):
+    __slots__ = ("call_id", "timeout_s", "generate", "cancel")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    timeout_s: float
+    generate: DecodeRequest
+    cancel: bool
+    def __init__(self, call_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., generate: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class GenerateStreamResponse(_message.Message):
+    __slots__ = ("call_id", "end", "code", "message", "response")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    end: bool
+    code: int
+    message: str
+    response: DecodeResponse
+    def __init__(self, call_id: _Optional[int] = ..., end: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[_Union[DecodeResponse, _Mapping]] = ...) -> None: ...
+
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "usage", "prefill_timing")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +106,32 @@ class CancelPrefillResponse(_message.Message):
     WAS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     was_running: bool
     def __init__(self, was_running: _Optional[bool] = ...) -> None: ...
+
+class PrefillStreamRequest(_message.Message):
+    __slots__ = ("call_id", "timeout_s", "prefill", "cancel_call_id")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    timeout_s: float
+    prefill: PrefillRequest
+    cancel_call_id: int
+    def __init__(self, call_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., cancel_call_id: _Optional[int] = ...) -> None: ...
+
+class PrefillStreamResponse(_message.Message):
+    __slots__ = ("call_id", "code", "message", "prefill", "cancel")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    code: int
+    message: str
+    prefill: PrefillResponse
+    cancel: CancelPrefillResponse
+    def __init__(self, call_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., cancel: _Optional[_Union[CancelPrefillResponse, _Mapping]] = ...) -> None: ...
 
 class EngineStatsRequest(_message.Message):
     __slots__ = ()

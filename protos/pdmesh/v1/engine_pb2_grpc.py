@@ -40,6 +40,11 @@ class DecodeStub:
                 request_serializer=pdmesh_dot_v1_dot_engine__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdmesh_dot_v1_dot_engine__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/pdmesh.v1.Decode/GenerateStream',
+                request_serializer=pdmesh_dot_v1_dot_engine__pb2.GenerateStreamRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_engine__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
         self.GetEngineStats = channel.unary_unary(
                 '/pdmesh.v1.Decode/GetEngineStats',
                 request_serializer=pdmesh_dot_v1_dot_engine__pb2.EngineStatsRequest.SerializeToString,
@@ -57,6 +62,17 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateStream(self, request_iterator, context):
+        """Generate calls of one gateway over one long-lived stream (services/call_stream):
+        each call's DecodeResponses in order, the last with end set (on the message with
+        finish_reason, or a bare end carrying the status Generate would end with). The
+        gateway leaves a call with a cancel request, which aborts it as cancelling Generate
+        does; when the stream ends (the gateway went away), its calls are aborted too.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetEngineStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -70,6 +86,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=pdmesh_dot_v1_dot_engine__pb2.DecodeRequest.FromString,
                     response_serializer=pdmesh_dot_v1_dot_engine__pb2.DecodeResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=pdmesh_dot_v1_dot_engine__pb2.GenerateStreamRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_engine__pb2.GenerateStreamResponse.SerializeToString,
             ),
             'GetEngineStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetEngineStats,
@@ -105,6 +126,33 @@ class Decode:
             '/pdmesh.v1.Decode/Generate',
             pdmesh_dot_v1_dot_engine__pb2.DecodeRequest.SerializeToString,
             pdmesh_dot_v1_dot_engine__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdmesh.v1.Decode/GenerateStream',
+            pdmesh_dot_v1_dot_engine__pb2.GenerateStreamRequest.SerializeToString,
+            pdmesh_dot_v1_dot_engine__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -162,6 +210,11 @@ class PrefillStub:
                 request_serializer=pdmesh_dot_v1_dot_engine__pb2.CancelPrefillRequest.SerializeToString,
                 response_deserializer=pdmesh_dot_v1_dot_engine__pb2.CancelPrefillResponse.FromString,
                 _registered_method=True)
+        self.PrefillStream = channel.stream_stream(
+                '/pdmesh.v1.Prefill/PrefillStream',
+                request_serializer=pdmesh_dot_v1_dot_engine__pb2.PrefillStreamRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_engine__pb2.PrefillStreamResponse.FromString,
+                _registered_method=True)
         self.GetEngineStats = channel.unary_unary(
                 '/pdmesh.v1.Prefill/GetEngineStats',
                 request_serializer=pdmesh_dot_v1_dot_engine__pb2.EngineStatsRequest.SerializeToString,
@@ -188,6 +241,17 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefillStream(self, request_iterator, context):
+        """Prefill and its cancel over one long-lived stream per decode node
+        (services/call_stream): each request, a prefill or the cancel of one, is answered
+        once with the status the unary RPC would end with. A cancelled prefill is answered
+        CANCELLED before its cancel is, and none of its writes can land after that. When
+        the stream ends (the decode node went away), its running prefills stop the same way.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetEngineStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -206,6 +270,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.CancelPrefill,
                     request_deserializer=pdmesh_dot_v1_dot_engine__pb2.CancelPrefillRequest.FromString,
                     response_serializer=pdmesh_dot_v1_dot_engine__pb2.CancelPrefillResponse.SerializeToString,
+            ),
+            'PrefillStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PrefillStream,
+                    request_deserializer=pdmesh_dot_v1_dot_engine__pb2.PrefillStreamRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_engine__pb2.PrefillStreamResponse.SerializeToString,
             ),
             'GetEngineStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetEngineStats,
@@ -267,6 +336,33 @@ class Prefill:
             '/pdmesh.v1.Prefill/CancelPrefill',
             pdmesh_dot_v1_dot_engine__pb2.CancelPrefillRequest.SerializeToString,
             pdmesh_dot_v1_dot_engine__pb2.CancelPrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdmesh.v1.Prefill/PrefillStream',
+            pdmesh_dot_v1_dot_engine__pb2.PrefillStreamRequest.SerializeToString,
+            pdmesh_dot_v1_dot_engine__pb2.PrefillStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

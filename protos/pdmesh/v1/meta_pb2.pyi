@@ -67,6 +67,28 @@ class RouteResponse(_message.Message):
     local_prefill: bool
     def __init__(self, decode: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
+class RouteStreamRequest(_message.Message):
+    __slots__ = ("call_id", "timeout_s", "route")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    timeout_s: float
+    route: RouteRequest
+    def __init__(self, call_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., route: _Optional[_Union[RouteRequest, _Mapping]] = ...) -> None: ...
+
+class RouteStreamResponse(_message.Message):
+    __slots__ = ("call_id", "code", "message", "route")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    code: int
+    message: str
+    route: RouteResponse
+    def __init__(self, call_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., route: _Optional[_Union[RouteResponse, _Mapping]] = ...) -> None: ...
+
 class ListMembersRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

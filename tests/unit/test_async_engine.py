@@ -1,0 +1,139 @@
+"""AsyncEngine hand-offs: a command runs at once on the caller's thread when the step
+thread is idle, and queued in order behind a running step otherwise; a remote prefill
+starts without waiting for a step; leaving during it cancels it before the blocks are
+freed; a failed one falls back to local prefill with the offline engine's tokens."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from common.engine import AsyncEngine, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+PROMPT = list(range(3, 43))   # 40 tokens: 3 blocks of 16
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model, llm_factory):
+    return llm_factory(tiny_model("llama"), max_model_len=256)
+
+
+def run_with(llm, scenario):
+    engine = AsyncEngine(llm.engine)
+    try:
+        return asyncio.run(scenario(engine))
+    finally:
+        engine.shutdown()
+
+
+def test_commands_run_at_once_when_idle_and_in_order_behind_a_step(llm):
+    async def scenario(engine):
+        caller = threading.get_ident()
+        assert await engine._run_on_engine(threading.get_ident) == caller
+        started, gate, order = threading.Event(), threading.Event(), []
+
+        def busy():  # stands for a long step: holds the engine on the step thread
+            started.set()
+            gate.wait(5)
+
+        def record(i):
+            order.append(i)
+            return threading.get_ident()
+
+        engine._submit(busy)
+        assert await asyncio.to_thread(started.wait, 5)
+        first = asyncio.ensure_future(engine._run_on_engine(lambda: record(1)))
+        second = asyncio.ensure_future(engine._run_on_engine(lambda: record(2)))
+        await asyncio.sleep(0.05)
+        assert order == []
+        gate.set()
+        assert await asyncio.gather(first, second) == [engine._thread.ident] * 2
+        assert order == [1, 2]
+        await asyncio.to_thread(wait_idle, engine)
+        assert await engine._run_on_engine(threading.get_ident) == caller  # idle again
+    run_with(llm, scenario)
+
+
+def wait_idle(engine) -> None:
+    """Until the step thread has let go of the engine (it settles commands before)."""
+    assert engine._engine_lock.acquire(timeout=5)
+    engine._engine_lock.release()
+
+
+class FakeRemote:
+    """A prefill node that answers first_token (or fails), or waits until cancelled."""
+
+    def __init__(self, llm, first_token: int | None = 7, wait: bool = False):
+        self.llm, self.first_token, self.wait = llm, first_token, wait
+        self.events: list = []
+        self.started = asyncio.Event()
+        self.stop = asyncio.Event()
+
+    async def run(self, block_ids, num_cached_tokens):
+        self.events.append(("run", list(block_ids), num_cached_tokens, self.llm.engine.num_used_blocks))
+        self.started.set()
+        if self.wait:
+            await self.stop.wait()
+            raise asyncio.CancelledError()
+        if self.first_token is None:
+            raise RuntimeError("prefill node unreachable")
+        return self.first_token
+
+    async def cancel(self):
+        self.events.append(("cancel", self.llm.engine.num_used_blocks))
+        await asyncio.sleep(0.05)
+        self.events.append("writes stopped")
+        self.stop.set()
+
+
+def test_remote_prefill_starts_without_waiting_for_a_step(llm, monkeypatch):
+    steps = []
+    step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: steps.append(1) or step())
+
+    async def scenario(engine):
+        remote = FakeRemote(llm)
+        outs = [out async for out in engine.generate("r", PROMPT, GREEDY, remote=remote)]
+        return remote, outs
+
+    remote, outs = run_with(llm, scenario)
+    (event, block_ids, cached, used), = remote.events
+    assert (event, len(block_ids), cached, used) == ("run", 3, 0, 3)
+    assert outs[0].new_token_ids == [7]
+    assert len(steps) == 3  # one per token 2..4: admission took no step
+    assert [len(o.new_token_ids) for o in outs] == [1, 1, 1, 1]
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    assert llm.engine.num_used_blocks == 0
+
+
+def test_leaving_during_remote_prefill_cancels_it_before_freeing_blocks(llm):
+    async def scenario(engine):
+        remote = FakeRemote(llm, wait=True)
+
+        async def consume():
+            async for _ in engine.generate("r", PROMPT, GREEDY, remote=remote):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await remote.started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return remote.events, (await engine.stats())["used_blocks"]
+
+    events, used_after = run_with(llm, scenario)
+    assert [e[0] if isinstance(e, tuple) else e for e in events] == ["run", "cancel", "writes stopped"]
+    assert events[1] == ("cancel", 3)   # blocks still held while the prefill node stops
+    assert used_after == 0
+
+
+def test_failed_remote_prefill_falls_back_to_local_prefill(llm):
+    expected = llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids
+
+    async def scenario(engine):
+        return [t async for out in engine.generate("r", PROMPT, GREEDY, remote=FakeRemote(llm, None))
+                for t in out.new_token_ids]
+
+    assert run_with(llm, scenario) == expected
