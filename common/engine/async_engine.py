@@ -85,6 +85,7 @@ class AsyncEngine:
 
     # ---- caller side (event loop) --------------------------------------------------
     def _submit(self, command: Callable[[], None]) -> None:
+        """Queue command for the step thread. EngineDeadError once the engine is shut down."""
         with self._wake:
             if self._stopped:
                 raise EngineDeadError("the engine is shut down")
@@ -113,19 +114,9 @@ class AsyncEngine:
         ran, result = self._run_now(fn)
         if ran:
             return result
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-
-        def command() -> None:
-            try:
-                result = fn()
-            except BaseException as e:  # delivered to the caller
-                loop.call_soon_threadsafe(_settle, done, None, e)
-            else:
-                loop.call_soon_threadsafe(_settle, done, result, None)
-
+        command = _Command(fn, asyncio.get_running_loop())
         self._submit(command)
-        return await done
+        return await command.done
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, *, remote: RemotePrefill | None = None,
@@ -289,10 +280,21 @@ class AsyncEngine:
         return await self._run_on_engine(self.engine.stats)
 
     def shutdown(self) -> None:
+        """Stop the step thread; commands still queued fail with EngineDeadError (so no
+        caller waits forever), as does any later call."""
         with self._wake:
             self._stopped = True
             self._wake.notify()
         self._thread.join(timeout=30)
+        self._fail_queued(EngineDeadError("the engine is shut down"))
+
+    def _fail_queued(self, error: BaseException) -> None:
+        with self._wake:
+            commands = list(self._commands)
+            self._commands.clear()
+        for command in commands:
+            if isinstance(command, _Command):
+                command.fail(error)
 
     # ---- step thread --------------------------------------------------------------
     def _loop(self) -> None:
@@ -328,6 +330,32 @@ class AsyncEngine:
             self._error = e
             for loop, queue in list(self._queues.values()):
                 loop.call_soon_threadsafe(queue.put_nowait, e)
+            self._fail_queued(EngineDeadError(str(e)))
+
+
+class _Command:
+    """fn to run on the step thread; its result or exception settles `done` on loop."""
+
+    def __init__(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop):
+        self.fn, self.loop = fn, loop
+        self.done: asyncio.Future = loop.create_future()
+
+    def __call__(self) -> None:
+        try:
+            result = self.fn()
+        except BaseException as e:  # delivered to the caller
+            self.fail(e)
+        else:
+            self._settle(result, None)
+
+    def fail(self, error: BaseException) -> None:
+        self._settle(None, error)
+
+    def _settle(self, result: Any, error: BaseException | None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(_settle, self.done, result, error)
+        except RuntimeError:  # the caller's loop is closed: nobody waits any more
+            pass
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -1,7 +1,8 @@
 """AsyncEngine hand-offs: a command runs at once on the caller's thread when the step
 thread is idle, and queued in order behind a running step otherwise; a remote prefill
 starts without waiting for a step; leaving during it cancels it before the blocks are
-freed; a failed one falls back to local prefill with the offline engine's tokens."""
+freed; a failed one falls back to local prefill with the offline engine's tokens; after
+shutdown a call fails (EngineDeadError) instead of waiting forever."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +11,7 @@ import threading
 import pytest
 
 from common.engine import AsyncEngine, SamplingParams
+from common.engine.async_engine import EngineDeadError
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PROMPT = list(range(3, 43))   # 40 tokens: 3 blocks of 16
@@ -137,3 +139,29 @@ def test_failed_remote_prefill_falls_back_to_local_prefill(llm):
                 for t in out.new_token_ids]
 
     assert run_with(llm, scenario) == expected
+
+
+def test_calls_after_shutdown_fail_instead_of_waiting_forever(llm):
+    engine = AsyncEngine(llm.engine)
+
+    async def scenario():
+        started, gate = threading.Event(), threading.Event()
+
+        def busy():
+            started.set()
+            gate.wait(5)
+
+        engine._submit(busy)
+        assert await asyncio.to_thread(started.wait, 5)
+        queued = asyncio.ensure_future(engine.release("nothing"))  # behind the busy step
+        await asyncio.sleep(0.05)
+        stopping = asyncio.ensure_future(asyncio.to_thread(engine.shutdown))
+        await asyncio.sleep(0.05)
+        gate.set()
+        await stopping
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await queued
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await engine.release("nothing")
+
+    asyncio.run(scenario())
