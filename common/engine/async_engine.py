@@ -280,8 +280,9 @@ class AsyncEngine:
         return await self._run_on_engine(self.engine.stats)
 
     def shutdown(self) -> None:
-        """Stop the step thread; commands still queued fail with EngineDeadError (so no
-        caller waits forever), as does any later call."""
+        """Stop the step thread. Commands queued before still run (the step thread drains
+        them before it exits); any later call fails with EngineDeadError, and so do queued
+        ones if the thread does not exit in time: no caller waits forever."""
         with self._wake:
             self._stopped = True
             self._wake.notify()

@@ -159,8 +159,7 @@ def test_calls_after_shutdown_fail_instead_of_waiting_forever(llm):
         await asyncio.sleep(0.05)
         gate.set()
         await stopping
-        with pytest.raises(EngineDeadError, match="shut down"):
-            await queued
+        assert await asyncio.wait_for(queued, 5) is False   # queued before: it still ran
         with pytest.raises(EngineDeadError, match="shut down"):
             await engine.release("nothing")
 
