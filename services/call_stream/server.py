@@ -64,7 +64,10 @@ class CallStreamServer:
         task = self._tasks.get(call_id)
         if task is None:
             return False
-        self._cancel_codes.setdefault(call_id, code)
+        if call_id in self._cancel_codes:  # already being stopped (e.g. deadline + cancel request)
+            await asyncio.wait([task])
+            return True
+        self._cancel_codes[call_id] = code
         if self._on_cancel is not None:
             try:
                 await self._on_cancel(self._requests[call_id])
