@@ -71,10 +71,13 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         try:
             out = await self.node.engine.prefill(rid, prompt, params, on_computed=pusher.on_computed,
                                                  external=store)
-            computed = time.perf_counter()
-            nbytes = await pusher.finish()
-            done = time.perf_counter()
-            finished = True
+            # aborted meanwhile (CancelPrefill): its blocks are freed; nothing to finish or put
+            cancelled = out.finish_reason == "abort" or not out.new_token_ids
+            if not cancelled:
+                computed = time.perf_counter()
+                nbytes = await pusher.finish()
+                done = time.perf_counter()
+                finished = True
         except TransferError as e:
             log.warning("KV push of %s to %s failed: %s", rid, dest.transfer_endpoint, e)
             await context.abort(grpc.StatusCode.UNAVAILABLE,
@@ -84,6 +87,8 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
                 await asyncio.shield(pusher.stop())
             self.inflight.pop(rid, None)
             self._release_later(rid, store, finished)
+        if not finished:
+            await context.abort(grpc.StatusCode.CANCELLED, f"prefill of {rid} was cancelled")
         timing = common_pb2.PrefillTiming(remote=True, 
             queue_ms=out.queue_s * 1e3, compute_ms=(computed - start - out.queue_s) * 1e3,
             transfer_ms=(done - computed) * 1e3)
