@@ -181,8 +181,7 @@ class KVStore:
                 promoted += 1
             space.index.add_to_pin(pin_id, h)
             slots.append(entry.slot)
-        if self.redis is not None:
-            self.redis.num_promoted += promoted
+        self.redis.num_promoted += promoted
         return promoted
 
     def release(self, pin_id: str) -> bool:
