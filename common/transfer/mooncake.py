@@ -11,9 +11,11 @@ Configuration only, same code everywhere:
 `metadata_server` "P2PHANDSHAKE" needs no extra service (a peer is addressed as
 host:rpc_port); "etcd://host:port", "redis://..." or "http://..." select a metadata store.
 
-Environment variables of the engine, read when it starts: MC_TCP_SLICE_SIZE (bytes per
-socket read/write, default 64 KiB), MC_TCP_LANES_PER_PEER (connections per peer, default
-4). On loopback with 2 cores neither changed the bandwidth beyond the noise.
+Environment variables of the engine, read when it starts: MC_TCP_SLICE_SIZE (the asio
+buffer per socket operation, default 64 KiB), MC_TCP_LANES_PER_PEER (connections per peer,
+default 4). Neither changes the loopback bandwidth beyond the noise: asio issues at most
+64 KiB per send/recv whatever the slice, and that syscall size is what bounds the tcp
+protocol (docs/benchmarks.md, "KV transfer").
 
 How a write or read runs: each range is submitted as its own transfer, at most
 `max_inflight` at once (writes: `transfer_submit_write`; reads: `batch_transfer_async` of one
