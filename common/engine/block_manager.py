@@ -13,6 +13,9 @@ Free-queue order:
 Hashes are registered only once a full block's KV has been computed (`cache_full_blocks`),
 so a prefix hit never reads a block that is still being written.
 
+The new blocks of one allocation back the sequence in ascending id order, so a KV push of
+them (common/transfer/kv_writes.py) needs one write per run of consecutive ids.
+
 Not thread-safe: the engine's step loop owns it.
 """
 from __future__ import annotations
@@ -101,7 +104,10 @@ class BlockManager:
         seq.block_ids = list(hit_ids)
         seq.block_hashes = list(hashes)
         num_new = self.num_blocks_for(len(seq.token_ids)) - len(hit_ids)
-        seq.block_ids.extend(self._take_free() for _ in range(num_new))
+        # Which blocks are taken is the queue's (LRU) choice; in which order they back the
+        # sequence is free, and ascending ids turn a freed sequence's blocks (queued tail
+        # first) back into consecutive runs: one KV transfer write per run, not per block.
+        seq.block_ids.extend(sorted(self._take_free() for _ in range(num_new)))
         seq.num_computed_tokens = len(hit_ids) * self.block_size
         self.num_queries += len(seq.token_ids)
         self.num_hits += seq.num_computed_tokens

@@ -3,6 +3,7 @@ from common.engine.block_manager import BlockManager
 from common.engine.sampling_params import SamplingParams
 from common.engine.sequence import Sequence
 from common.hashing import block_hash, hash_block_chain
+from common.transfer import block_runs
 
 
 def make_seq(tokens, rid="r"):
@@ -81,14 +82,14 @@ def test_eviction_drops_oldest_cached_block_first():
     assert list(bm.free_queue) == [2, 3, 4, 1, 0]
     b = make_seq([9] * 8, rid="b")
     assert bm.allocate(b)
-    assert b.block_ids == [2, 3, 4, 1]       # evicts a's tail block 1, keeps its prefix 0
+    assert b.block_ids == [1, 2, 3, 4]       # takes 2, 3, 4 and a's tail block 1, keeps its prefix 0
     assert bm.blocks[1].hash is None
     assert bm.hash_to_block == {hash_block_chain([1, 2], 2)[0]: 0}
     bm.free(b)                               # never computed: unhashed, to the front
-    assert list(bm.free_queue) == [2, 3, 4, 1, 0]
+    assert list(bm.free_queue) == [1, 2, 3, 4, 0]
     c = make_seq([1, 2, 5], rid="c")
     assert bm.allocate(c)
-    assert c.block_ids == [0, 2]
+    assert c.block_ids == [0, 1]
     assert c.num_computed_tokens == 2
     bm.free(c)
     assert bm.num_used_blocks == 0
@@ -140,3 +141,22 @@ def test_hash_chain_is_stable_and_depends_on_model_and_layout():
     assert hash_block_chain(list(range(8)), 4, "other", "L") != h
     assert hash_block_chain(list(range(8)), 4, "m", "L2") != h
     assert hash_block_chain(list(range(7)), 4) == hash_block_chain(list(range(4)), 4)
+
+
+def test_new_blocks_of_an_allocation_ascend_so_reused_blocks_form_one_run():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_seq(range(16))                 # blocks 0-3, all full
+    bm.allocate(a)
+    computed(bm, a)
+    b = make_seq(range(100, 116), rid="b")  # blocks 4-7
+    bm.allocate(b)
+    bm.free(a)
+    assert list(bm.free_queue) == [3, 2, 1, 0]      # LRU: the tail is evicted first
+    c = make_seq(range(200, 212), rid="c")
+    assert bm.allocate(c)
+    assert c.block_ids == [1, 2, 3]                 # the same blocks 3, 2, 1, ascending
+    assert block_runs([0, 1, 2], c.block_ids) == [(0, 1, 3)]
+    assert list(bm.free_queue) == [0]
+    bm.free(b)
+    bm.free(c)
+    assert bm.num_used_blocks == 0
