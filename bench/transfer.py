@@ -9,10 +9,9 @@ the receiver fills with `recv_into`, then acks one byte. Every timing ends with 
 reference for what its TCP transport can reach. After the runs each receiver's checksum is
 compared with the expected bytes. The ratio to raw TCP is the median of per-repeat ratios
 (every path timed once per round, in turn), which cancels most of the drift of a shared,
-busy host. `--scattered` adds a push into shuffled
-destination blocks: one 16 KiB write per (layer, K/V, block), the worst case. CPU time per
-push (sender process, receiver process) is reported too: it moves less than wall time when
-other work shares the cores.
+busy host. `--scattered` adds a push into shuffled destination blocks: one 16 KiB write
+per (layer, K/V, block), the worst case. CPU time per push (sender process, receiver
+process) is reported too: it moves less than wall time when other work shares the cores.
 
     python bench/transfer.py [--repeats 9] [--scattered] [--out bench/results/transfer.json]
 """
