@@ -104,11 +104,70 @@ class MetaConfig:
 
 
 @dataclass(frozen=True)
+class TimeoutConfig:
+    """Every timeout and lease of a request's path (section `timeouts:`), in the order that
+    makes "no KV write lands after its blocks were freed" true; checked at load:
+
+        transfer_s < cancel_ack_s < prefill_s < request_s
+        transfer_s < kv_store_pin_lease_s,  transfer_s < kv_store_reserve_lease_s
+
+    transfer_s        one KV push or read (a transfer engine call) ends by then; a prefill
+                      node starts no write past its request's deadline either. It bounds
+                      how long a write can still land after its sender was told to stop.
+    cancel_ack_s      a decode node waits this long for a prefill node to confirm that none
+                      of a cancelled prefill's writes can land (it first settles the writes
+                      in flight, up to transfer_s); unconfirmed, the destination blocks
+                      stay QUARANTINED until that node confirms, or its membership lease
+                      (meta_server.ttl_seconds) lapsed and transfer_s more passed.
+    prefill_s         a decode node gives up on a prefill node after this (cancels it, then
+                      prefills here).
+    request_s         the gateway's deadline for a whole request (the client's own gRPC
+                      deadline when that is sooner); every hop passes on what remains:
+                      gateway -> decode -> prefill -> transfer.
+    route_s           the gateway's Route call (answered from the meta-server's memory).
+    meta_follow_s     how long the gateway looks for the leading meta-server (a standby
+                      takes over within one TTL) before a request fails.
+    kv_store_call_s   a node's control call to the kv-store; slower is a miss.
+    kv_store_pin_lease_s, kv_store_reserve_lease_s
+                      the store keeps a get's pinned slots / a put's reserved slots this
+                      long unless released or committed sooner. Longer than transfer_s, so
+                      a read or write that is still allowed never outlives its lease; one
+                      that does anyway is detected (slot generations) and is a miss.
+    kv_store_lookup_s the meta-server's Lookup at the store under cache_aware.
+    """
+
+    transfer_s: float = 10.0
+    cancel_ack_s: float = 15.0
+    prefill_s: float = 30.0
+    request_s: float = 600.0
+    route_s: float = 5.0
+    meta_follow_s: float = 8.0
+    kv_store_call_s: float = 2.0
+    kv_store_pin_lease_s: float = 20.0
+    kv_store_reserve_lease_s: float = 30.0
+    kv_store_lookup_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) <= 0:
+                raise ValueError(f"timeouts.{f.name} must be > 0, got {getattr(self, f.name)}")
+        chain = ("transfer_s", "cancel_ack_s", "prefill_s", "request_s")
+        for shorter, longer in zip(chain, chain[1:]):
+            if not getattr(self, shorter) < getattr(self, longer):
+                raise ValueError(
+                    f"timeouts.{shorter} ({getattr(self, shorter)}) must be < timeouts.{longer} "
+                    f"({getattr(self, longer)}): the order must be {' < '.join(chain)}")
+        for lease in ("kv_store_pin_lease_s", "kv_store_reserve_lease_s"):
+            if not self.transfer_s < getattr(self, lease):
+                raise ValueError(f"timeouts.{lease} ({getattr(self, lease)}) must be > timeouts.transfer_s "
+                                 f"({self.transfer_s}): a lease must outlive the transfer it guards")
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     meta_addresses: tuple[str, ...] = ()   # every meta-server, to follow the leader; () = meta_server
     host: str = "127.0.0.1"
     port: int = 50050
-    request_timeout_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -120,8 +179,7 @@ class NodeConfig:
     node_id: str
     host: str = "127.0.0.1"
     port: int = 0
-    prefill_timeout_s: float = 30.0     # decode: give up on a prefill node after this
-    max_queue: int = 256                # decode: waiting requests before RESOURCE_EXHAUSTED
+    max_queue: int = 256                # waiting requests before RESOURCE_EXHAUSTED
     advertise_host: str = ""            # "" = host
 
     @property
@@ -146,11 +204,8 @@ class KVStoreConfig:
     max_spaces: int = 4
     high_watermark: float = 0.9         # evict when used slots would pass this fraction ...
     low_watermark: float = 0.7          # ... down to this one
-    reserve_ttl_s: float = 30.0         # an uncommitted put is dropped after this
-    pin_ttl_s: float = 10.0             # a get's pin ends after this unless released sooner
     redis_url: str = ""                 # redis://HOST:PORT/DB: evicted blocks spill there
     redis_ttl_s: float = 0.0            # expiry of spilled blocks in Redis (0 = none)
-    client_timeout_s: float = 2.0       # nodes give up on a store call after this (a miss)
 
     def __post_init__(self) -> None:
         if self.capacity_mb <= 0:
@@ -160,9 +215,6 @@ class KVStoreConfig:
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ValueError("kv_store watermarks must satisfy 0 < low_watermark <= high_watermark <= 1, "
                              f"got {self.low_watermark}, {self.high_watermark}")
-        for name in ("reserve_ttl_s", "pin_ttl_s", "client_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"kv_store.{name} must be > 0, got {getattr(self, name)}")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"kv_store.redis_url must start with redis://, rediss:// or unix://, "
                              f"got {self.redis_url!r}")
@@ -187,6 +239,7 @@ class MeshConfig:
     transfer: TransferConfig = TransferConfig()
     etcd_endpoint: str = ""             # "host:port": membership and admin state in etcd
     kv_store: KVStoreConfig | None = None   # None: no kv-store in this mesh
+    timeouts: TimeoutConfig = TimeoutConfig()
 
     def engine_config(self) -> EngineConfig:
         args = {"model_id": self.resolved_model_id, **self.engine}
@@ -227,7 +280,7 @@ def mesh_config_from_dict(raw: dict[str, Any], base_dir: str = ".") -> MeshConfi
     """Build a MeshConfig; relative model paths are taken from base_dir."""
     from pathlib import Path
     known = {"model", "model_id", "tiny_arch", "cluster", "engine", "meta_server", "gateway",
-             "nodes", "transfer", "etcd_endpoint", "kv_store"}
+             "nodes", "transfer", "etcd_endpoint", "kv_store", "timeouts"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ValueError(f"unknown top-level field(s) {unknown}; allowed: {sorted(known)}")
@@ -244,7 +297,8 @@ def mesh_config_from_dict(raw: dict[str, Any], base_dir: str = ".") -> MeshConfi
         gateway=_section(GatewayConfig, raw.get("gateway"), "gateway"),
         nodes=nodes, transfer=_section(TransferConfig, raw.get("transfer"), "transfer"),
         etcd_endpoint=str(raw.get("etcd_endpoint", "")),
-        kv_store=_section(KVStoreConfig, raw["kv_store"], "kv_store") if "kv_store" in raw else None)
+        kv_store=_section(KVStoreConfig, raw["kv_store"], "kv_store") if "kv_store" in raw else None,
+        timeouts=_section(TimeoutConfig, raw.get("timeouts"), "timeouts"))
 
 
 def load_mesh_config(path: str) -> MeshConfig:

@@ -67,7 +67,8 @@ async def _serve(args) -> None:
         from services.meta_server.server import create_server
         meta = mesh.meta if args.port is None else dataclasses.replace(mesh.meta, port=args.port)
         server, _ = await create_server(meta, etcd=mesh.etcd_config(),
-                                        kv_store_address=mesh.kv_store.address if mesh.kv_store else "")
+                                        kv_store_address=mesh.kv_store.address if mesh.kv_store else "",
+                                        kv_store_lookup_s=mesh.timeouts.kv_store_lookup_s)
 
         async def stop(grace):
             await server.stop(grace)

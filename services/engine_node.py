@@ -28,14 +28,15 @@ log = logging.getLogger("pdmesh.node")
 
 def transfer_options(mesh: MeshConfig, advertised_host: str) -> dict:
     """Backend keyword arguments for a service advertised at advertised_host (an empty
-    transfer.hostname means that host)."""
+    transfer.hostname means that host); every call ends within timeouts.transfer_s."""
     t = mesh.transfer
     hostname = t.hostname or advertised_host
+    timeout_s = mesh.timeouts.transfer_s
     if t.backend == "mooncake":
         return dict(hostname=hostname, protocol=t.protocol, metadata_server=t.metadata_server,
-                    device_name=t.device_name)
+                    device_name=t.device_name, timeout_s=timeout_s)
     if t.backend == "grpc":
-        return dict(host=hostname)
+        return dict(host=hostname, timeout_s=timeout_s)
     return {}
 
 
@@ -53,32 +54,40 @@ class EngineNode:
         self.kv_store: KVStoreClient | None = None
         if mesh.kv_store is not None and node.role == "prefill":
             self.kv_store = KVStoreClient(mesh.kv_store.address, self.llm_engine.model_id, self.layout,
-                                          self.sender, self.executor, mesh.kv_store.client_timeout_s)
+                                          self.sender, self.executor, mesh.timeouts)
         self.address = ""
         self.registration: NodeRegistration | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def node_info(self) -> common_pb2.NodeInfo:
-        stats = self.llm_engine.stats()
+        stats = self.engine.snapshot()
         return common_pb2.NodeInfo(
             node_id=self.node.node_id, role=self.node.role, address=self.address,
-            model_id=self.llm_engine.model_id, transfer_backend=self.transfer.name,
+            model_id=self.engine.model_id, transfer_backend=self.transfer.name,
             transfer_endpoint=self.transfer.endpoint, kv_layout=self.layout.to_proto(),
-            load=self.load(stats), max_model_len=self.llm_engine.max_model_len)
+            load=self.load(stats), max_model_len=self.engine.max_model_len)
 
     @staticmethod
     def load(stats: dict[str, int]) -> common_pb2.NodeLoad:
-        return common_pb2.NodeLoad(running=stats["running"] + stats["remote_prefill"],
+        return common_pb2.NodeLoad(running=stats["running"] + stats["kv_remote"],
                                    waiting=stats["waiting"], free_blocks=stats["free_blocks"],
                                    total_blocks=stats["total_blocks"])
 
-    def engine_stats(self, pending_transfers: int = 0) -> engine_pb2.EngineStats:
-        s = self.llm_engine.stats()
+    async def engine_stats(self, pending_transfers: int = 0) -> engine_pb2.EngineStats:
+        s = await self.engine.stats()
         return engine_pb2.EngineStats(
             node_id=self.node.node_id, running=s["running"], waiting=s["waiting"],
             used_blocks=s["used_blocks"], free_blocks=s["free_blocks"],
             total_blocks=s["total_blocks"], pending_transfers=pending_transfers,
-            prefix_hit_tokens=s["prefix_hit_tokens"])
+            prefix_hit_tokens=s["prefix_hit_tokens"], preemptions=s["preemptions"],
+            quarantined_blocks=s["quarantined_blocks"], kv_remote=s["kv_remote"], held=s["held"],
+            transfer_bytes_written=self.transfer.bytes_written, transfer_bytes_read=self.transfer.bytes_read)
+
+    async def is_member(self, node_id: str, role: str = "prefill") -> bool | None:
+        """Whether that node's membership is live (None: cannot tell now)."""
+        if self.registration is None:
+            return None
+        return await self.registration.is_member(role, node_id)
 
     def channel(self, address: str) -> grpc.aio.Channel:
         """A long-lived channel to a peer node (connections are reused across requests)."""

@@ -8,6 +8,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Back-pressure of the request plane. A client keeps at most MAX_CALLS_PER_PEER calls in
+# flight to one peer (more fail at once with RESOURCE_EXHAUSTED, a retryable answer, not a
+# queue that grows without bound); a server runs at most MAX_CONCURRENT_RPCS calls at once
+# (gRPC answers RESOURCE_EXHAUSTED beyond). Both are far above what the engines admit
+# (max_num_seqs + max_queue), so they bite only on a runaway client.
+MAX_CALLS_PER_PEER = 2048
+MAX_CONCURRENT_RPCS = 8192
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -17,7 +24,8 @@ CHANNEL_OPTIONS = [
 def new_server() -> grpc.aio.Server:
     """SO_REUSEPORT off (gRPC turns it on by default): a second server on a taken port
     must fail to bind, not silently share the port with the first."""
-    return grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
+    return grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
+                           maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
@@ -61,3 +69,46 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error an RPC would raise with this status (for a call refused before it left)."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class PeerLimits:
+    """Counts calls in flight per peer address; acquire() beyond the limit raises
+    RESOURCE_EXHAUSTED (grpc.aio.AioRpcError) at once. Event loop only."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.in_flight: dict[str, int] = {}
+
+    def acquire(self, peer: str) -> "_Slot":
+        n = self.in_flight.get(peer, 0)
+        if n >= self.limit:
+            raise rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"{n} calls in flight to one node already (the most this client sends); retry later")
+        self.in_flight[peer] = n + 1
+        return _Slot(self, peer)
+
+
+class _Slot:
+    def __init__(self, limits: PeerLimits, peer: str):
+        self._limits, self._peer = limits, peer
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            left = self._limits.in_flight[self._peer] - 1
+            if left:
+                self._limits.in_flight[self._peer] = left
+            else:
+                del self._limits.in_flight[self._peer]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -1,5 +1,5 @@
 """Shared fixtures: tiny models made on the spot, engines cached per configuration, and a
-leak check that every block's ref count is zero after each test."""
+leak check after each test: every block's ref count zero, nothing quarantined."""
 from __future__ import annotations
 
 import os
@@ -121,11 +121,13 @@ def llm_factory():
 
 
 def assert_no_blocks_in_use(engine) -> None:
-    bm = engine.block_manager
+    """Every block free: none referenced, none QUARANTINED, no request in any state."""
+    bm, sched = engine.block_manager, engine.scheduler
     held = [b.block_id for b in bm.blocks if b.ref_count != 0]
     assert not held, f"blocks still referenced after the test: {held[:10]}"
     assert bm.num_free_blocks == bm.num_blocks
-    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert not sched.quarantined and sched.num_quarantined_blocks == 0, "blocks still quarantined"
+    assert not (sched.running or sched.waiting or sched.ready or sched.remote or sched.held)
 
 
 @pytest.fixture(autouse=True)

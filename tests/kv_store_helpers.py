@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from common.config import KVStoreConfig
+from common.config import KVStoreConfig, TimeoutConfig
 from common.hashing import hash_block_chain, layout_key
 from common.transfer.fake import FakeTransfer
 from common.transfer.kv_writes import KVSender
@@ -41,10 +41,11 @@ def chain(tokens: list[int], model_id: str, layout: KVLayout) -> list[bytes]:
     return hash_block_chain(tokens, layout.block_size, model_id, layout_key(layout))
 
 
-def new_store(num_slots: int, cache: ClientCache, redis=None, clock=time.monotonic, **cfg) -> KVStore:
+def new_store(num_slots: int, cache: ClientCache, redis=None, clock=time.monotonic,
+              timeouts: TimeoutConfig = TimeoutConfig(), transfer=None, **cfg) -> KVStore:
     per_slot = cache.layout.num_layers * 2 * cache.layout.block_bytes
     config = KVStoreConfig(capacity_mb=num_slots * per_slot / (1 << 20), **cfg)
-    return KVStore(config, FakeTransfer(), redis, clock)
+    return KVStore(config, transfer or FakeTransfer(), redis, clock, timeouts)
 
 
 def put_blocks(store: KVStore, cache: ClientCache, model_id: str, tokens: list[int],

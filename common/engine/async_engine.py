@@ -4,26 +4,32 @@ callers add requests and iterate their tokens.
     async for out in engine.generate("req-1", prompt_token_ids, params):
         out.new_token_ids, out.finished, out.finish_reason
 
-Disaggregated decode: `generate(..., remote=handler)` admits the request into
-REMOTE_PREFILL; the engine then awaits `handler.run(block_ids, num_cached_tokens)` (a
-prefill node writes the KV and returns the first token) and commits it, or prefills
-locally when run raises. If the caller leaves meanwhile, `handler.cancel()` is awaited
-before the blocks are freed, so no write can land in a reused block.
+One inbox, one outbox per request:
+- Inbox: every command (add, abort, commit, release, stats) is appended to one FIFO.
+  Whoever holds the engine lock drains it, in order: the step thread before each step,
+  or the caller at once when the step thread is idle (no step running), so an idle
+  engine answers without a thread hop. Commands never wait for a step to end.
+- Outbox: every StepOutput the engine emits (a step's tokens, the first token a remote
+  prefill commits, an abort's end) is appended to its request's Outbox by the thread that
+  drained it from the engine, while that thread holds the engine lock. An Outbox is a
+  thread-safe FIFO that wakes its consumer's event loop; so a request's outputs arrive
+  complete and in the order the engine produced them, however late the loop runs.
 
-Disaggregated prefill: `prefill(...)` computes a prompt with its blocks held after the
+KV from elsewhere (`generate(..., remote=kv)`, a RemoteKV): the request is admitted
+into KV_REMOTE; the engine then awaits `kv.fill(block_ids, num_cached_tokens)` and
+commits what landed: a prefill node's first token (decode side) or the leading tokens the
+kv-store provided (prefill side). When fill raises, the engine first asks `kv.cancel()`
+whether any write can still land: confirmed, it computes the prompt here in the same
+blocks; unconfirmed, in fresh blocks, while the old ones stay QUARANTINED until
+`kv.settled()` returns. A caller that leaves meanwhile is handled the same way: cancel,
+then the blocks are freed, or quarantined until settled.
+
+Disaggregated prefill: `prefill(...)` computes a prompt; its blocks stay HELD after the
 first token until `release(request_id)`; `on_computed` is called on the step thread.
-With `external=loader` the admitted request first waits in REMOTE_PREFILL while
-`loader.load(block_ids, num_cached_tokens)` fills leading blocks from elsewhere (the
-kv-store); it then computes only the rest (from scratch past the local hits when load
-raises). Cancel safety as for remote prefill: `loader.cancel()` is awaited first.
 
-Validation happens in the caller (ValueError before anything is queued). Adds, aborts
-and commits run between steps, so the event loop never waits for a step: when the step
-thread is idle (no step running, no command queued) they run at once on the caller's
-thread, under the engine lock; otherwise they are queued for the step thread, which
-applies them in order before its next step. Either way one thread at a time touches the
-engine, and commands apply in submission order. `abort` returns once the request's blocks
-are freed; leaving the `async for` early aborts the request the same way.
+Validation happens in the caller (ValueError before anything is queued). `abort` returns
+once the request's blocks are freed (or quarantined); leaving the `async for` early
+aborts the request the same way.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from common.config import EngineConfig
@@ -42,37 +49,80 @@ log = logging.getLogger("pdmesh.engine")
 
 
 class EngineDeadError(RuntimeError):
-    """The step loop crashed; no request can make progress."""
+    """The step loop crashed or the engine is shut down; no request can make progress."""
 
 
-class RemotePrefill(Protocol):
-    async def run(self, block_ids: list[int], num_cached_tokens: int) -> int:
-        """Have a prefill node fill the blocks; return the first token. Raise to make
-        the decode node prefill locally."""
+@dataclass(frozen=True)
+class KVFilled:
+    """What a RemoteKV put in the blocks: the KV of the first num_tokens prompt tokens,
+    and the first token when a prefill node sampled it (then num_tokens is the prompt)."""
 
-    async def cancel(self) -> None:
-        """Stop the prefill node writing; return once no write can land any more."""
+    num_tokens: int
+    first_token: int | None = None
 
 
-class ExternalKV(Protocol):
-    async def load(self, block_ids: list[int], num_cached_tokens: int) -> int:
-        """Fill the blocks past num_cached_tokens (the local prefix hit) with KV from
-        elsewhere; return how many leading prompt tokens hold KV now (whole blocks, at
-        least num_cached_tokens, less than the prompt). Raise to compute them here."""
+class RemoteKV(Protocol):
+    """One request's KV coming from another node into this node's blocks."""
 
-    async def cancel(self) -> None:
-        """Stop filling; return once nothing can land in the blocks any more."""
+    async def fill(self, block_ids: list[int], num_cached_tokens: int) -> KVFilled:
+        """Fill the blocks past num_cached_tokens (the local prefix hit). Raise when it
+        failed: the engine then computes the prompt here."""
+
+    async def cancel(self) -> bool:
+        """Stop filling. True once no write can land in the blocks any more; False when
+        that could not be confirmed in time (then settled() says when)."""
+
+    async def settled(self) -> None:
+        """Return once no write can land any more (after cancel returned False)."""
+
+
+class Outbox:
+    """One request's StepOutputs (or an exception), in order; put from any thread, get on
+    the event loop that made it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._items: deque = deque()
+        self._lock = threading.Lock()
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item: StepOutput | BaseException) -> None:
+        with self._lock:
+            self._items.append(item)
+            waiter, self._waiter = self._waiter, None
+        if waiter is None:
+            return
+        if _running_loop() is self._loop:
+            _wake(waiter)
+        else:
+            try:
+                self._loop.call_soon_threadsafe(_wake, waiter)
+            except RuntimeError:  # the loop is closed: nobody reads any more
+                pass
+
+    async def get(self) -> StepOutput | BaseException:
+        while True:
+            with self._lock:
+                if self._items:
+                    return self._items.popleft()
+                waiter = self._waiter = self._loop.create_future()
+            await waiter
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine | EngineConfig):
         self.engine = engine if isinstance(engine, LLMEngine) else LLMEngine(engine)
-        self._commands: deque[Callable[[], None]] = deque()
-        self._wake = threading.Condition()
-        self._engine_lock = threading.Lock()   # held while the engine runs commands or a step
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._remote: dict[str, RemotePrefill | ExternalKV] = {}
-        self._remote_tasks: dict[str, asyncio.Task] = {}
+        self._inbox: deque[Callable[[], None]] = deque()
+        self._wake = threading.Condition()       # guards _inbox and _stopped
+        self._engine_lock = threading.Lock()     # held while commands or a step run
+        self._outboxes: dict[str, Outbox] = {}
+        self._remote: dict[str, RemoteKV] = {}
+        self._fills: dict[str, asyncio.Task] = {}
+        self._background: set[asyncio.Task] = set()
         self.engine.scheduler.on_remote_admit = self._on_remote_admit
         self._stopped = False
         self._error: BaseException | None = None
@@ -83,75 +133,97 @@ class AsyncEngine:
     def from_model(cls, model: str, **engine_args: Any) -> "AsyncEngine":
         return cls(EngineConfig.from_kwargs(model, **engine_args))
 
-    # ---- caller side (event loop) --------------------------------------------------
+    # ---- the inbox (caller side) ---------------------------------------------------
+    async def _run_on_engine(self, fn: Callable[[], Any]) -> Any:
+        """Queue fn in the inbox and return its result once it ran (at once when the step
+        thread is idle). EngineDeadError once the engine is shut down or dead."""
+        if self._error is not None:
+            raise EngineDeadError(str(self._error))
+        command = _Command(fn, asyncio.get_running_loop())
+        with self._wake:
+            self._submit(command)
+            if self._engine_lock.acquire(blocking=False):  # idle: drain it here, in order
+                try:
+                    self._drain()
+                finally:
+                    self._engine_lock.release()
+                if self.engine.has_unfinished():
+                    self._wake.notify()  # the commands left work for a step
+        return await command.done
+
     def _submit(self, command: Callable[[], None]) -> None:
-        """Queue command for the step thread. EngineDeadError once the engine is shut down."""
+        """Append command to the inbox and wake the step thread; EngineDeadError once the
+        engine is shut down."""
         with self._wake:
             if self._stopped:
                 raise EngineDeadError("the engine is shut down")
-            self._commands.append(command)
+            self._inbox.append(command)
             self._wake.notify()
 
-    def _run_now(self, fn: Callable[[], Any]) -> tuple[bool, Any]:
-        """Run fn here if the step thread is idle and nothing is queued before it:
-        (True, result), or (False, None) when it must be queued. fn's exception propagates.
-        Takes _wake, then the engine lock, in the step thread's order; never blocks on a step."""
-        with self._wake:
-            if self._stopped or self._commands or not self._engine_lock.acquire(blocking=False):
-                return False, None
-            try:
-                return True, fn()
-            finally:
-                self._engine_lock.release()
-                if self.engine.has_unfinished():
-                    self._wake.notify()  # fn left work for a step
+    def _drain(self) -> None:
+        """Engine lock held: run every queued command in order, delivering what each emits."""
+        while True:
+            with self._wake:
+                if not self._inbox:
+                    return
+                command = self._inbox.popleft()
+            command()
+            self._deliver(self.engine.take_outputs())
 
-    async def _run_on_engine(self, fn: Callable[[], Any]) -> Any:
-        """Run fn between steps (at once when the step thread is idle, see the module
-        docstring) and return its result."""
-        if self._error is not None:
-            raise EngineDeadError(str(self._error))
-        ran, result = self._run_now(fn)
-        if ran:
-            return result
-        command = _Command(fn, asyncio.get_running_loop())
-        self._submit(command)
-        return await command.done
+    def _deliver(self, outs: list[StepOutput]) -> None:
+        for out in outs:
+            box = self._outboxes.get(out.request_id)
+            if box is not None:
+                box.put(out)
 
+    # ---- what services read (never the scheduler or the block manager) ---------------
+    def validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """ValueError naming the field and its allowed range (nothing is queued)."""
+        self.engine.validate_request(request_id, prompt_token_ids, params)
+
+    def num_waiting(self) -> int:
+        """Requests queued for admission now (a snapshot)."""
+        return len(self.engine.scheduler.waiting)
+
+    def snapshot(self) -> dict[str, int]:
+        """The engine's counters now, without waiting for a step (reads counts only; may
+        be one step old)."""
+        return self.engine.stats()
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.block_size
+
+    @property
+    def model_id(self) -> str:
+        return self.engine.model_id
+
+    @property
+    def layout_key(self) -> str:
+        return self.engine.layout
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    # ---- requests --------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, *, remote: RemotePrefill | None = None,
-                       external: ExternalKV | None = None,
+                       params: SamplingParams, *, remote: RemoteKV | None = None,
                        **add_options: Any) -> AsyncIterator[StepOutput]:
         if self._error is not None:
             raise EngineDeadError(str(self._error))
-        if request_id in self._queues:
+        if request_id in self._outboxes:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if remote is not None and external is not None:
-            raise ValueError("remote and external are exclusive")
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        handler = remote or external
-
-        def add() -> None:
-            self._add(request_id, prompt_token_ids, params, handler is not None, add_options)
-
-        self._queues[request_id] = (loop, queue)
-        if handler is not None:
-            self._remote[request_id] = handler
-        try:  # a ValueError leaves nothing queued: added at once (add_request validates) or not yet
-            added, _ = self._run_now(add)
-            if not added:
-                self.engine.validate_request(request_id, prompt_token_ids, params)
-        except BaseException:
-            self._queues.pop(request_id, None)
-            self._remote.pop(request_id, None)
-            raise
+        self.engine.validate_request(request_id, prompt_token_ids, params)
+        box = self._outboxes[request_id] = Outbox(asyncio.get_running_loop())
+        if remote is not None:
+            self._remote[request_id] = remote
         finished = False
         try:
-            if not added:
-                await self._run_on_engine(add)
+            await self._run_on_engine(lambda: self._add(request_id, prompt_token_ids, params,
+                                                        remote is not None, add_options))
             while True:
-                item = await queue.get()
+                item = await box.get()
                 if isinstance(item, BaseException):
                     raise EngineDeadError(str(item)) from item
                 finished = item.finished
@@ -159,36 +231,29 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._queues.pop(request_id, None)
+            self._outboxes.pop(request_id, None)
             self._remote.pop(request_id, None)
-            if not finished and self._error is None and not self._stopped:
-                await asyncio.shield(self._abort_safely(request_id, handler))
+            try:
+                if not finished and self._error is None and not self._stopped:
+                    await asyncio.shield(self._abort_safely(request_id, remote))
+            finally:
+                self._fills.pop(request_id, None)
 
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-             remote_prefill: bool, add_options: dict[str, Any]) -> None:
+             kv_remote: bool, add_options: dict[str, Any]) -> None:
         """Engine side of generate: queue the request; a remote one is admitted at once
-        when no step work is pending (its handler starts without waiting for a step)."""
-        self.engine.add_request(request_id, prompt_token_ids, params, remote_prefill=remote_prefill,
+        when no step work is pending (its fill starts without waiting for a step)."""
+        self.engine.add_request(request_id, prompt_token_ids, params, kv_remote=kv_remote,
                                 **add_options)
-        if remote_prefill:
+        if kv_remote:
             self.engine.admit_remote()
-
-    async def _abort_safely(self, request_id: str, remote: RemotePrefill | ExternalKV | None) -> None:
-        task = self._remote_tasks.get(request_id)
-        if task is not None and remote is not None:
-            try:
-                await remote.cancel()
-            except Exception:
-                log.exception("cancelling the remote prefill of %s failed", request_id)
-            await asyncio.wait([task])
-        await self._run_on_engine(lambda: self.engine.abort(request_id))
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       on_computed: Callable[[Any, int, int], None] | None = None,
-                      external: ExternalKV | None = None) -> StepOutput:
-        """Compute the prompt, sample the first token; the blocks stay held until
+                      remote: RemoteKV | None = None) -> StepOutput:
+        """Compute the prompt, sample the first token; the blocks stay HELD until
         release(request_id) (also when this raises after the first token)."""
-        async for out in self.generate(request_id, prompt_token_ids, params, external=external,
+        async for out in self.generate(request_id, prompt_token_ids, params, remote=remote,
                                        hold_blocks=True, on_computed=on_computed):
             if out.finished:
                 return out
@@ -197,88 +262,111 @@ class AsyncEngine:
     async def release(self, request_id: str) -> bool:
         return await self._run_on_engine(lambda: self.engine.release(request_id))
 
-    # ---- remote prefill (decode side) ----------------------------------------------
-    def _on_remote_admit(self, seq) -> None:
-        """Engine side (step thread, or the caller's when admitted at once): the sequence
-        got its blocks; start its remote prefill on the caller's loop."""
-        entry = self._queues.get(seq.request_id)
-        remote = self._remote.get(seq.request_id)
-        if entry is None or remote is None:
-            self.engine.fallback_local(seq.request_id)
-            return
-        block_ids, cached = list(seq.block_ids), seq.num_computed_tokens
-        loop = entry[0]
-        if _running_loop() is loop:  # admitted at once by the caller (see _add)
-            loop.call_soon(self._start_remote, seq.request_id, remote, block_ids, cached)
-        else:
-            loop.call_soon_threadsafe(self._start_remote, seq.request_id, remote, block_ids, cached)
-
-    def _start_remote(self, request_id: str, remote: RemotePrefill | ExternalKV,
-                      block_ids: list[int], cached: int) -> None:
-        work = self._external_load if hasattr(remote, "load") else self._remote_prefill
-        task = asyncio.get_running_loop().create_task(work(request_id, remote, block_ids, cached))
-        self._remote_tasks[request_id] = task
-        task.add_done_callback(lambda _: self._remote_tasks.pop(request_id, None))
-
-    async def _remote_prefill(self, request_id: str, remote: RemotePrefill, block_ids: list[int],
-                              cached: int) -> None:
-        try:
-            first = await remote.run(block_ids, cached)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            log.warning("remote prefill of %s failed (%s); prefilling locally", request_id, e)
-            await self._run_on_engine(lambda: self.engine.fallback_local(request_id))
-            return
-        if request_id not in self._remote:
-            return  # the caller left; _abort_safely frees the blocks
-
-        def commit():
-            if request_id not in self.engine.scheduler.remote:
-                return None
-            return self.engine.commit_remote(request_id, first)
-
-        out = await self._run_on_engine(commit)
-        entry = self._queues.get(request_id)
-        if out is not None and entry is not None:
-            entry[1].put_nowait(out)
-
-    async def _external_load(self, request_id: str, loader: ExternalKV, block_ids: list[int],
-                             cached: int) -> None:
-        try:
-            num_tokens = await loader.load(block_ids, cached)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            log.warning("loading the KV of %s failed (%s); computing it here", request_id, e)
-            num_tokens = cached
-        if request_id not in self._remote:
-            return  # the caller left; _abort_safely frees the blocks
-
-        def commit() -> None:
-            if request_id not in self.engine.scheduler.remote:
-                return
-            try:
-                self.engine.commit_loaded(request_id, num_tokens)
-            except ValueError as e:
-                log.error("KV loaded for %s is unusable (%s); computing it here", request_id, e)
-                self.engine.commit_loaded(request_id, cached)
-
-        await self._run_on_engine(commit)
-
     async def abort(self, request_id: str) -> bool:
-        """Abort and free the request's blocks; True if it was live."""
-        aborted = await self._run_on_engine(lambda: self.engine.abort(request_id))
-        entry = self._queues.get(request_id)
-        if aborted and entry is not None:
-            while not entry[1].empty():  # tokens of steps before the abort are dropped
-                entry[1].get_nowait()
-            entry[1].put_nowait(StepOutput(request_id, [], True, "abort", 0, 0))
+        """Abort and free the request's blocks (or quarantine them while a remote fill is
+        unconfirmed); True if it was live. Its stream ends with finish_reason abort."""
+        remote = self._remote.get(request_id)
+        settled = True
+        if remote is not None and request_id in self._fills:
+            settled = await remote.cancel()
+        aborted = await self._run_on_engine(lambda: self.engine.abort(request_id, settled))
+        if aborted and not settled:
+            self._free_when_settled(request_id, remote)
+        box = self._outboxes.get(request_id)
+        if aborted and box is not None:
+            box.clear()  # tokens of steps before the abort are dropped
+            box.put(StepOutput(request_id, [], True, "abort", 0, 0))
         return aborted
+
+    async def _abort_safely(self, request_id: str, remote: RemoteKV | None) -> None:
+        """The caller left: stop a fill in progress, then abort (quarantine if unconfirmed)."""
+        settled = True
+        fill = self._fills.get(request_id)
+        if fill is not None and remote is not None:
+            try:
+                settled = await remote.cancel()
+            except Exception:
+                log.exception("cancelling the remote KV of %s failed", request_id)
+                settled = False
+            if not fill.done():
+                fill.cancel()
+                await asyncio.wait([fill])
+        await self._run_on_engine(lambda: self.engine.abort(request_id, settled))
+        if not settled:
+            self._free_when_settled(request_id, remote)
+
+    def _free_when_settled(self, request_id: str, remote: RemoteKV) -> None:
+        async def free() -> None:
+            try:
+                await remote.settled()
+            except Exception:
+                log.exception("waiting for the remote writer of %s failed", request_id)
+                return  # the blocks stay quarantined: better leaked than overwritten
+            try:
+                await self._run_on_engine(lambda: self.engine.release_quarantine(request_id))
+            except EngineDeadError:
+                pass
+        self._spawn(free())
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- remote KV (on the caller's loop) --------------------------------------------
+    def _on_remote_admit(self, seq) -> None:
+        """Engine side (whoever holds the engine lock): the sequence got its blocks; start
+        its fill on the caller's loop."""
+        box, remote = self._outboxes.get(seq.request_id), self._remote.get(seq.request_id)
+        if box is None or remote is None:
+            self.engine.fail_remote(seq.request_id, writer_settled=True)  # nobody fills it
+            return
+        args = (seq.request_id, remote, list(seq.block_ids), seq.num_computed_tokens)
+        loop = box._loop
+        if _running_loop() is loop:
+            loop.call_soon(self._start_fill, *args)
+        else:
+            loop.call_soon_threadsafe(self._start_fill, *args)
+
+    def _start_fill(self, request_id: str, remote: RemoteKV, block_ids: list[int], cached: int) -> None:
+        if request_id not in self._remote:
+            return  # the caller left before it started: its abort frees the blocks
+        # kept until the request ends: a fill that ended with an error may still have
+        # writers, and leaving the request then asks them to stop first
+        self._fills[request_id] = asyncio.get_running_loop().create_task(
+            self._fill(request_id, remote, block_ids, cached))
+
+    async def _fill(self, request_id: str, remote: RemoteKV, block_ids: list[int], cached: int) -> None:
+        try:
+            filled = await remote.fill(block_ids, cached)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if request_id not in self._remote:
+                return  # the caller left: _abort_safely settles it
+            log.warning("remote KV of %s failed (%s); computing it here", request_id, e)
+            settled = await remote.cancel()
+            await self._run_on_engine(lambda: self.engine.fail_remote(request_id, settled))
+            if not settled:
+                self._free_when_settled(request_id, remote)
+            return
+        if request_id in self._remote:
+            await self._run_on_engine(lambda: self._commit(request_id, filled))
+
+    def _commit(self, request_id: str, filled: KVFilled) -> None:
+        if filled.first_token is not None:
+            self.engine.commit_remote(request_id, filled.first_token)
+            return
+        try:
+            self.engine.commit_loaded(request_id, filled.num_tokens)
+        except ValueError as e:
+            log.error("KV loaded for %s is unusable (%s); computing it here", request_id, e)
+            self.engine.fail_remote(request_id, writer_settled=True)
 
     async def stats(self) -> dict[str, int]:
         return await self._run_on_engine(self.engine.stats)
 
+    # ---- lifetime ------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop the step thread. Commands queued before still run (the step thread drains
         them before it exits); any later call fails with EngineDeadError, and so do queued
@@ -291,8 +379,8 @@ class AsyncEngine:
 
     def _fail_queued(self, error: BaseException) -> None:
         with self._wake:
-            commands = list(self._commands)
-            self._commands.clear()
+            commands = list(self._inbox)
+            self._inbox.clear()
         for command in commands:
             if isinstance(command, _Command):
                 command.fail(error)
@@ -302,40 +390,29 @@ class AsyncEngine:
         try:
             while True:
                 with self._wake:
-                    while not self._stopped and not self._commands and not self.engine.has_unfinished():
+                    while not self._stopped and not self._inbox and not self.engine.has_unfinished():
                         self._wake.wait()
-                    commands = list(self._commands)
-                    self._commands.clear()
+                    stopping = self._stopped
                     self._engine_lock.acquire()  # before _wake is released: keeps command order
                 try:
-                    for command in commands:
-                        command()
-                    if self._stopped:
-                        # no command is queued after the flag (see _submit): run the last
-                        # ones, so that no caller waits forever on one that never ran
-                        with self._wake:
-                            commands = list(self._commands)
-                            self._commands.clear()
-                        for command in commands:
-                            command()
-                        return
+                    self._drain()
+                    if stopping:
+                        return  # no command is queued after the flag (see _run_on_engine)
                     if self.engine.has_unfinished():
-                        for out in self.engine.step():
-                            entry = self._queues.get(out.request_id)
-                            if entry is not None:
-                                entry[0].call_soon_threadsafe(entry[1].put_nowait, out)
+                        self._deliver(self.engine.step())
                 finally:
                     self._engine_lock.release()
         except BaseException as e:
             log.exception("engine step loop died")
             self._error = e
-            for loop, queue in list(self._queues.values()):
-                loop.call_soon_threadsafe(queue.put_nowait, e)
+            for box in list(self._outboxes.values()):
+                box.put(e)
             self._fail_queued(EngineDeadError(str(e)))
 
 
 class _Command:
-    """fn to run on the step thread; its result or exception settles `done` on loop."""
+    """fn to run on whichever thread holds the engine; its result or exception settles
+    `done` on the caller's loop."""
 
     def __init__(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop):
         self.fn, self.loop = fn, loop
@@ -345,7 +422,7 @@ class _Command:
         try:
             result = self.fn()
         except BaseException as e:  # delivered to the caller
-            self.fail(e)
+            self._settle(None, e)
         else:
             self._settle(result, None)
 
@@ -353,8 +430,11 @@ class _Command:
         self._settle(None, error)
 
     def _settle(self, result: Any, error: BaseException | None) -> None:
+        if _running_loop() is self.loop:
+            _set(self.done, result, error)
+            return
         try:
-            self.loop.call_soon_threadsafe(_settle, self.done, result, error)
+            self.loop.call_soon_threadsafe(_set, self.done, result, error)
         except RuntimeError:  # the caller's loop is closed: nobody waits any more
             pass
 
@@ -366,7 +446,12 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def _set(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
     if future.done():
         return
     if error is not None:

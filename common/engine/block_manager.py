@@ -124,7 +124,13 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's references, tail block first. Hashed blocks stay cached."""
-        for block_id in reversed(seq.block_ids):
+        self.free_blocks(seq.block_ids)
+        seq.block_ids = []
+        seq.block_hashes = []
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block, the last first (see free)."""
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             assert block.ref_count > 0, f"double free of block {block_id}"
             block.ref_count -= 1
@@ -132,8 +138,6 @@ class BlockManager:
                 self.free_queue[block_id] = None
                 if block.hash is None:
                     self.free_queue.move_to_end(block_id, last=False)
-        seq.block_ids = []
-        seq.block_hashes = []
 
     def _take_free(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)

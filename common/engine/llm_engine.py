@@ -1,20 +1,27 @@
-"""The engine core: validated requests in, one step of tokens out. Token ids only; text
-lives in LLM (offline) and in the gateway.
+"""The engine core: validated requests in, tokens out. Token ids only; text lives in LLM
+(offline) and in the gateway.
 
-Lifecycle of a request: add_request (validated, WAITING) -> step()* (admitted, prefilled in
-chunks, decoded) -> finished (stop | length) or abort() -> its blocks are freed at once.
+Lifecycle of a request (states and transitions: common/engine/lifecycle.py, owned by the
+scheduler): add_request (validated, WAITING) -> step()* (admitted, prefilled in chunks,
+decoded) -> FINISHED (stop | length) or abort() -> blocks freed at once.
 
-Disaggregation hooks:
-- decode node: add_request(remote_prefill=True) -> on admission `on_remote_admit(seq)`
-  gets the sequence's block ids -> commit_remote(first token) once a prefill node wrote
-  the KV, or fallback_local() to prefill here after all.
+Every token the engine emits, from a step or from committing a remote prefill, is queued
+in one ordered list of StepOutputs; `take_outputs()` hands them over in the order they
+were produced (`step()` returns them). That list is the engine's only way out.
+
+The narrow interface services drive it through:
+- decode node: add_request(kv_remote=True) -> on admission `on_remote_admit(seq)` gets
+  the block ids -> commit_remote(first token) once a prefill node wrote the KV, or
+  fail_remote(writer_settled) to compute it here (in fresh blocks when the writer has not
+  confirmed it stopped: the old ones are quarantined until release_quarantine).
 - prefill node: add_request(hold_blocks=True, on_computed=cb): cb(seq, start, end) after
-  each step that computed tokens [start, end); when finished the blocks stay held (the
-  KV is still being sent) until release(). With remote_prefill=True as well, admission
-  parks it like a decode node's (its blocks are filled from the kv-store meanwhile) and
-  commit_loaded(n) makes it compute the prompt from token n on.
+  each step that computed tokens [start, end); finished, the blocks stay HELD (the KV is
+  being pushed) until release(). With kv_remote=True as well, admission parks it in
+  KV_REMOTE while the kv-store fills leading blocks; commit_loaded(n) makes it compute the
+  prompt from token n on.
+- abort(request_id, writer_settled=False) while a remote fill is unconfirmed quarantines.
 
-Not thread-safe: one thread calls step/add_request/abort (AsyncEngine owns that thread).
+Not thread-safe: one thread at a time calls into it (AsyncEngine owns that).
 """
 from __future__ import annotations
 
@@ -31,8 +38,9 @@ from common.engine.block_manager import BlockManager
 from common.engine.model_runner import ModelRunner
 from common.engine.sampler import compute_logprobs, sample
 from common.engine.sampling_params import SamplingParams
+from common.engine.lifecycle import RequestState
 from common.engine.scheduler import Scheduler
-from common.engine.sequence import Sequence, SequenceStatus
+from common.engine.sequence import Sequence
 from common.engine.validation import validate_request
 from common.hashing import layout_key
 from common.model.config import load_model_config
@@ -108,8 +116,8 @@ class LLMEngine:
         self.eos_token_ids = set(mcfg.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.vocab_size = mcfg.vocab_size
         self._arrivals = 0
-        self._requests: dict[str, Sequence] = {}
-        self._held: dict[str, Sequence] = {}
+        self._requests: dict[str, Sequence] = {}     # live: not finished, not aborted
+        self._outputs: list[StepOutput] = []
         log.info("engine ready: %s on %s/%s, %s, %d blocks x %d tokens, max_model_len %d (%.1fs)",
                  self.model_id, self.device, self.backend.name, self.dtype, self.num_blocks,
                  self.block_size, self.max_model_len, time.perf_counter() - start)
@@ -129,83 +137,90 @@ class LLMEngine:
         """ValueError naming the field and its allowed range. Pure: touches no state
         except the set of live request ids."""
         validate_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
-        if request_id in self._requests or request_id in self._held:
+        if request_id in self._requests or request_id in self.scheduler.quarantined:
             raise ValueError(f"request_id {request_id!r} is already in use")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    *, remote_prefill: bool = False, hold_blocks: bool = False,
+                    *, kv_remote: bool = False, hold_blocks: bool = False,
                     on_computed: Callable[[Sequence, int, int], None] | None = None) -> Sequence:
         self.validate_request(request_id, prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params, self._arrivals,
-                       remote_prefill=remote_prefill, hold_blocks=hold_blocks,
-                       on_computed=on_computed)
+                       kv_remote=kv_remote, hold_blocks=hold_blocks, on_computed=on_computed)
         self._arrivals += 1
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
 
-    def abort(self, request_id: str) -> bool:
-        """Finish the request as aborted and free its blocks now (held ones too).
-        False if unknown."""
-        if self.release(request_id):
-            return True
+    def abort(self, request_id: str, writer_settled: bool = True) -> bool:
+        """End the request as aborted and free its blocks now (held ones too), unless it is
+        in KV_REMOTE and writer_settled is False: then they stay quarantined until
+        release_quarantine(request_id). False if it is not live."""
         seq = self._requests.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        self.scheduler.abort(seq, writer_settled)
         return True
 
     def release(self, request_id: str) -> bool:
         """Free the blocks a finished hold_blocks request kept. False if none held."""
-        seq = self._held.pop(request_id, None)
-        if seq is None:
+        if not self.scheduler.release(request_id):
             return False
-        self.block_manager.free(seq)
+        del self._requests[request_id]
         return True
 
-    def commit_remote(self, request_id: str, first_token: int) -> StepOutput:
+    def release_quarantine(self, request_id: str) -> bool:
+        """The remote writer of request_id's old blocks can write no more: free them."""
+        return self.scheduler.release_quarantine(request_id)
+
+    def _remote_seq(self, request_id: str) -> Sequence | None:
+        seq = self._requests.get(request_id)
+        return seq if seq is not None and seq.state == RequestState.KV_REMOTE else None
+
+    def commit_remote(self, request_id: str, first_token: int) -> bool:
         """The prefill node wrote the prompt's KV into this sequence's blocks and sampled
-        its first token: it joins the running batch."""
-        seq = self.scheduler.remote.get(request_id)
+        its first token: it is emitted, and the sequence joins the batch. False when the
+        request is not waiting for a remote prefill (aborted meanwhile)."""
+        seq = self._remote_seq(request_id)
         if seq is None:
-            raise KeyError(f"request {request_id!r} is not waiting for a remote prefill")
+            return False
         if not 0 <= first_token < self.vocab_size:
             raise ValueError(f"first_token {first_token} is outside the vocabulary")
-        seq.num_computed_tokens = len(seq)
-        self.block_manager.cache_full_blocks(seq)
+        self.scheduler.kv_landed(seq, len(seq))
         if seq.generator is not None and not seq.params.greedy:
             torch.empty(self.vocab_size).exponential_(generator=seq.generator)
-        self.scheduler.add_running(seq)
-        return self._append(seq, first_token, None)
+        self._append(seq, first_token, None)
+        return True
 
-    def commit_loaded(self, request_id: str, num_tokens: int) -> None:
-        """A REMOTE_PREFILL sequence's blocks now hold the KV of its first num_tokens prompt
+    def commit_loaded(self, request_id: str, num_tokens: int) -> bool:
+        """A KV_REMOTE sequence's blocks now hold the KV of its first num_tokens prompt
         tokens (read from the kv-store into them): it prefills the rest here. num_tokens
-        counts whole blocks, at least what the sequence had computed, less than its length."""
-        seq = self.scheduler.remote.get(request_id)
+        counts whole blocks, at least what the sequence had computed, less than its length
+        (ValueError otherwise). False when it is not waiting for its KV."""
+        seq = self._remote_seq(request_id)
         if seq is None:
-            raise KeyError(f"request {request_id!r} is not waiting for its KV")
+            return False
         if (num_tokens % self.block_size or not seq.num_computed_tokens <= num_tokens < len(seq)):
             raise ValueError(f"num_tokens {num_tokens} must be a multiple of {self.block_size} in "
                              f"[{seq.num_computed_tokens}, {len(seq)})")
-        seq.num_computed_tokens = seq.num_cached_tokens = num_tokens
-        self.block_manager.cache_full_blocks(seq)
-        self.scheduler.add_running(seq)
+        seq.num_cached_tokens = num_tokens
+        self.scheduler.kv_landed(seq, num_tokens)
+        return True
 
-    def fallback_local(self, request_id: str) -> bool:
-        """Prefill a REMOTE_PREFILL sequence here after all (its blocks are kept)."""
-        seq = self.scheduler.remote.get(request_id)
+    def fail_remote(self, request_id: str, writer_settled: bool) -> bool:
+        """The remote fill failed: compute the prompt here (see Scheduler.kv_failed).
+        False when it is not waiting for its KV."""
+        seq = self._remote_seq(request_id)
         if seq is None:
             return False
-        self.scheduler.add_running(seq)
+        self.scheduler.kv_failed(seq, writer_settled)
         return True
 
     def admit_remote(self) -> None:
-        """Admit waiting remote-prefill sequences now (on_remote_admit is told), when that
-        is all a step would do: nothing running, every waiting sequence remote. Otherwise
-        the next step admits them."""
+        """Admit waiting kv_remote sequences now (on_remote_admit is told), when that is
+        all a step would do: nothing running or ready, every waiting sequence kv_remote.
+        Otherwise the next step admits them."""
         sched = self.scheduler
-        if sched.running or not all(seq.remote_prefill for seq in sched.waiting):
+        if sched.running or sched.ready or not all(seq.kv_remote for seq in sched.waiting):
             return
         out = sched.schedule()
         assert out.is_empty, "a schedule with nothing running admits remote sequences only"
@@ -213,22 +228,30 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def take_outputs(self) -> list[StepOutput]:
+        """Every StepOutput emitted since the last call, in the order produced."""
+        outs, self._outputs = self._outputs, []
+        return outs
+
     # ---- stepping -----------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """Run one scheduled step; returns take_outputs() (this step's tokens, after any
+        emitted by commands since the last call)."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            return self.take_outputs()
         logits, sample_seqs = self.runner.execute(sched)
         for seq in sched.decode_seqs:
             self._computed(seq, 1)
         for seq, n in zip(sched.prefill_seqs, sched.prefill_lens):
             self._computed(seq, n)
-        if logits is None:
-            return []
-        tokens = sample(logits, sample_seqs, self.generator)
-        want = [s.params.logprobs for s in sample_seqs]
-        logprobs = compute_logprobs(logits, tokens, want)
-        return [self._append(seq, tok, lp) for seq, tok, lp in zip(sample_seqs, tokens, logprobs)]
+        if logits is not None:
+            tokens = sample(logits, sample_seqs, self.generator)
+            want = [s.params.logprobs for s in sample_seqs]
+            logprobs = compute_logprobs(logits, tokens, want)
+            for seq, tok, lp in zip(sample_seqs, tokens, logprobs):
+                self._append(seq, tok, lp)
+        return self.take_outputs()
 
     def _computed(self, seq: Sequence, n: int) -> None:
         start = seq.num_computed_tokens
@@ -237,26 +260,25 @@ class LLMEngine:
         if seq.on_computed is not None:
             seq.on_computed(seq, start, start + n)
 
-    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> StepOutput:
+    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+        """Add a sampled token to seq, finish it when it stops, emit its StepOutput."""
         seq.token_ids.append(token)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
         p = seq.params
-        status = None
+        reason = None
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
-            status = SequenceStatus.FINISHED_STOPPED
+            reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
-            status = SequenceStatus.FINISHED_LENGTH
-        if status is not None:
-            self.scheduler.finish(seq, status, free_blocks=not seq.hold_blocks)
-            del self._requests[seq.request_id]
-            if seq.hold_blocks:
-                self._held[seq.request_id] = seq
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            if not seq.hold_blocks:
+                del self._requests[seq.request_id]
         queue_s = (seq.first_scheduled_time or seq.arrival_time) - seq.arrival_time
-        return StepOutput(seq.request_id, [token], status is not None,
-                          seq.finish_reason if status is not None else None,
-                          seq.num_prompt_tokens, max(seq.num_cached_tokens, 0),
-                          [logprobs] if logprobs is not None else None, queue_s)
+        self._outputs.append(StepOutput(seq.request_id, [token], reason is not None, reason,
+                                        seq.num_prompt_tokens, max(seq.num_cached_tokens, 0),
+                                        [logprobs] if logprobs is not None else None, queue_s))
 
     # ---- introspection ------------------------------------------------------------
     @property
@@ -265,8 +287,10 @@ class LLMEngine:
 
     def stats(self) -> dict[str, int]:
         bm = self.block_manager
-        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "remote_prefill": len(self.scheduler.remote), "held": len(self._held),
+        sched = self.scheduler
+        return {"running": len(sched.running) + len(sched.ready), "waiting": len(sched.waiting),
+                "kv_remote": len(sched.remote), "held": len(sched.held),
                 "free_blocks": bm.num_free_blocks, "used_blocks": bm.num_used_blocks,
                 "total_blocks": bm.num_blocks, "prefix_hit_tokens": bm.num_hits,
-                "prefix_query_tokens": bm.num_queries, "preemptions": self.scheduler.num_preemptions}
+                "prefix_query_tokens": bm.num_queries, "preemptions": sched.num_preemptions,
+                "quarantined_blocks": sched.num_quarantined_blocks}

@@ -1,10 +1,5 @@
-"""A request inside the engine.
-
-Lifecycle: WAITING -> RUNNING (prefill chunks, then one token a step) -> FINISHED_*.
-A decode node's disaggregated request goes WAITING -> REMOTE_PREFILL (blocks allocated,
-a prefill node writes them) -> RUNNING with its first token, or back to local prefill.
-Preemption moves RUNNING back to WAITING with its blocks freed; it is then recomputed as
-a prompt of prompt + generated tokens (prefix-cache hits make that cheap).
+"""A request inside the engine. Its lifecycle (`state`) is common/engine/lifecycle.py;
+only the scheduler changes it.
 
 Token bookkeeping: `token_ids` holds prompt + output. `num_computed_tokens` of them have
 their KV in the cache; the rest are computed by upcoming steps.
@@ -13,32 +8,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Callable
 
 import torch
 
+from common.engine.lifecycle import RequestState
 from common.engine.sampling_params import SamplingParams
-
-
-class SequenceStatus(IntEnum):
-    WAITING = 0
-    REMOTE_PREFILL = 1
-    RUNNING = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-
-    @property
-    def finished(self) -> bool:
-        return self >= SequenceStatus.FINISHED_STOPPED
-
-
-FINISH_REASONS = {
-    SequenceStatus.FINISHED_STOPPED: "stop",
-    SequenceStatus.FINISHED_LENGTH: "length",
-    SequenceStatus.FINISHED_ABORTED: "abort",
-}
 
 
 @dataclass(eq=False)
@@ -48,7 +23,8 @@ class Sequence:
     params: SamplingParams
     arrival: int
     num_prompt_tokens: int = 0
-    status: SequenceStatus = SequenceStatus.WAITING
+    state: RequestState = RequestState.WAITING
+    finish_reason: str | None = None     # stop | length | abort, once done
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -58,8 +34,8 @@ class Sequence:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
-    remote_prefill: bool = False         # admit into REMOTE_PREFILL instead of computing
-    hold_blocks: bool = False            # keep blocks after finishing until released
+    kv_remote: bool = False              # the next admission waits in KV_REMOTE for its KV
+    hold_blocks: bool = False            # finishing goes to HELD (blocks kept until released)
     on_computed: Callable[["Sequence", int, int], None] | None = None  # (seq, start, end)
 
     def __post_init__(self) -> None:
@@ -82,7 +58,3 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """True while more than the last token still needs computing."""
         return self.num_computed_tokens < len(self.token_ids) - 1
-
-    @property
-    def finish_reason(self) -> str | None:
-        return FINISH_REASONS.get(self.status)

@@ -5,7 +5,10 @@ Every node registers its whole KV cache once (`register`) and publishes
 with `write(peer_endpoint, [(local_addr, remote_addr, length), ...])`: one batched call,
 returning only when every byte is acknowledged by the receiver. A reader pulls bytes the
 other way with `read(peer_endpoint, [(local_addr, remote_addr, length), ...])`, returning
-only when every byte has arrived in local memory. Either raises TransferError otherwise
+only when every byte has arrived in local memory. Each call ends within its `timeout_s`
+(the request's remaining time, at most timeouts.transfer_s; the backend's own default when
+None): past it the call raises, and once it has raised nothing of it lands later unless
+the error says `unsettled`. Either raises TransferError otherwise
 (unreachable peer, remote range outside the peer's registered regions, local range not
 registered where the backend needs it, injected fault).
 
@@ -18,12 +21,19 @@ and `close` are called once each, from the owning service.
 """
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 
 class TransferError(RuntimeError):
-    """A write or read did not complete; nothing is known about which bytes arrived."""
+    """A write or read did not complete; nothing is known about which bytes arrived.
+    `unsettled`: some ranges were still in flight when the call gave up, so they may yet
+    land (otherwise every range has ended, one way or the other)."""
+
+    def __init__(self, message: str, unsettled: bool = False):
+        super().__init__(message)
+        self.unsettled = unsettled
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,17 @@ def regions_hold(regions, address: int, length: int) -> bool:
 
 class TransferEngine(ABC):
     name: str = "abstract"
+    bytes_written: int = 0   # acknowledged by peers since this engine started (count_* below)
+    bytes_read: int = 0      # arrived from peers
+    _count_lock = threading.Lock()
+
+    def count_written(self, n: int) -> None:
+        with self._count_lock:
+            self.bytes_written += n
+
+    def count_read(self, n: int) -> None:
+        with self._count_lock:
+            self.bytes_read += n
 
     @property
     @abstractmethod
@@ -61,12 +82,12 @@ class TransferEngine(ABC):
         reads. The memory must stay alive until close()."""
 
     @abstractmethod
-    def write(self, peer: str, batch: list[tuple[int, int, int]]) -> int:
+    def write(self, peer: str, batch: list[tuple[int, int, int]], timeout_s: float | None = None) -> int:
         """Copy each (local_address, remote_address, length) to the peer; returns the
         number of bytes written once all are acknowledged. Raises TransferError."""
 
     @abstractmethod
-    def read(self, peer: str, batch: list[tuple[int, int, int]]) -> int:
+    def read(self, peer: str, batch: list[tuple[int, int, int]], timeout_s: float | None = None) -> int:
         """Copy each (local_address, remote_address, length) from the peer's registered
         memory into local memory; returns the number of bytes read once all have arrived.
         Raises TransferError (then the local ranges hold unknown bytes)."""

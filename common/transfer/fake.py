@@ -5,8 +5,11 @@ Endpoints ("fake:1", "fake:2", ...) live in a class-level directory until close(
 than the TCP backends, as RDMA is: the local range of a write or read must lie in a region
 this engine registered, and the remote range in one the peer registered. Every range is
 checked before any byte moves, so a failed call copies nothing. Fault injection
-(fail_next, fail_peer, delay_s) applies to writes and reads alike. Counters: num_writes /
-num_bytes (written), num_reads / num_bytes_read. All methods are thread-safe.
+(fail_next, fail_peer, delay_s, hold) applies to writes and reads alike. `hold()` keeps
+later calls in flight, bytes not yet copied, until `release_held()` (they land then) or
+`close()` (they never land, as the writes of a process that died). Counters: num_writes /
+num_bytes (written), num_reads / num_bytes_read, num_held (in flight now). All methods are
+thread-safe.
 """
 from __future__ import annotations
 
@@ -34,6 +37,10 @@ class FakeTransfer(TransferEngine):
         self._lock = threading.Lock()
         self._fail_next: list[BaseException] = []
         self._failed_peers: set[str] = set()
+        self._holding = False
+        self._held = threading.Condition(self._lock)
+        self._closed = False
+        self.num_held = 0
         with self._directory_lock:
             self._endpoint = f"fake:{next(self._ids)}"
             self._directory[self._endpoint] = self
@@ -62,21 +69,34 @@ class FakeTransfer(TransferEngine):
         with self._lock:
             self._failed_peers.discard(endpoint)
 
+    def hold(self) -> None:
+        """Later writes and reads stay in flight until release_held() or close()."""
+        with self._lock:
+            self._holding = True
+
+    def release_held(self) -> None:
+        """Let the held calls copy their bytes and return; stop holding."""
+        with self._lock:
+            self._holding = False
+            self._held.notify_all()
+
     def contains(self, address: int, length: int) -> bool:
         return regions_hold(self._regions, address, length)
 
-    def write(self, peer: str, batch: list[tuple[int, int, int]]) -> int:
+    def write(self, peer: str, batch: list[tuple[int, int, int]], timeout_s: float | None = None) -> int:
         total = self._copy(peer, batch, to_peer=True)
         with self._lock:
             self.num_writes += 1
             self.num_bytes += total
+        self.count_written(total)
         return total
 
-    def read(self, peer: str, batch: list[tuple[int, int, int]]) -> int:
+    def read(self, peer: str, batch: list[tuple[int, int, int]], timeout_s: float | None = None) -> int:
         total = self._copy(peer, batch, to_peer=False)
         with self._lock:
             self.num_reads += 1
             self.num_bytes_read += total
+        self.count_read(total)
         return total
 
     def _copy(self, peer: str, batch: list[tuple[int, int, int]], to_peer: bool) -> int:
@@ -84,6 +104,13 @@ class FakeTransfer(TransferEngine):
         with self._lock:
             injected = self._fail_next.pop(0) if self._fail_next else None
             peer_failed = peer in self._failed_peers
+            if self._holding:
+                self.num_held += 1
+                while self._holding and not self._closed:
+                    self._held.wait()
+                self.num_held -= 1
+                if self._closed:
+                    raise TransferError(f"{self.endpoint} closed with the call in flight")
         if self.delay_s:
             time.sleep(self.delay_s)
         if injected is not None:
@@ -111,4 +138,7 @@ class FakeTransfer(TransferEngine):
     def close(self) -> None:
         with self._directory_lock:
             self._directory.pop(self._endpoint, None)
+        with self._lock:
+            self._closed = True
+            self._held.notify_all()
         self._regions = ()

@@ -36,6 +36,8 @@ from common.transfer.grpc_wire import (bytes_address, decode_chunk, encode_chunk
 from protos.pdmesh.v1 import transfer_pb2
 
 SERVICE = "pdmesh.v1.KVTransfer"
+UNSETTLED_CODES = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                   grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN)
 MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -149,21 +151,22 @@ class GrpcStreamTransfer(TransferEngine):
             for off in range(0, length, step):
                 yield encode_chunk(remote + off, local + off, min(step, length - off))
 
-    def write(self, peer: str, batch: list[tuple[int, int, int]]) -> int:
+    def write(self, peer: str, batch: list[tuple[int, int, int]], timeout_s: float | None = None) -> int:
         if any(length < 0 for _, _, length in batch):
             raise ValueError(f"negative length in write batch to {peer}")
         total = sum(length for _, _, length in batch)
         if not total:
             return 0
         try:
-            ack = self._calls_for(peer).write(self._chunks(batch), timeout=self.timeout_s)
+            ack = self._calls_for(peer).write(self._chunks(batch), timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as exc:
             raise self._failure(f"grpc write of {total} bytes to {peer}", peer, exc) from None
         if ack.bytes_written != total:
             raise TransferError(f"grpc write to {peer}: acked {ack.bytes_written} of {total} bytes")
+        self.count_written(total)
         return total
 
-    def read(self, peer: str, batch: list[tuple[int, int, int]]) -> int:
+    def read(self, peer: str, batch: list[tuple[int, int, int]], timeout_s: float | None = None) -> int:
         if any(length < 0 for _, _, length in batch):
             raise ValueError(f"negative length in read batch from {peer}")
         batch = [r for r in batch if r[2]]
@@ -174,7 +177,7 @@ class GrpcStreamTransfer(TransferEngine):
             ranges=[transfer_pb2.ReadRange(remote_address=remote, length=length)
                     for _, remote, length in batch], chunk_bytes=self.chunk_bytes)
         try:
-            chunks = self._calls_for(peer).read(request, timeout=self.timeout_s)
+            chunks = self._calls_for(peer).read(request, timeout=timeout_s or self.timeout_s)
             received = scatter_read_chunks(chunks, [(local, length) for local, _, length in batch])
         except grpc.RpcError as exc:
             raise self._failure(f"grpc read of {total} bytes from {peer}", peer, exc) from None
@@ -183,12 +186,16 @@ class GrpcStreamTransfer(TransferEngine):
             raise TransferError(f"grpc read from {peer}: bad reply: {exc}") from None
         if received != total:
             raise TransferError(f"grpc read from {peer}: received {received} of {total} bytes")
+        self.count_read(total)
         return total
 
     def _failure(self, what: str, peer: str, exc: grpc.RpcError) -> TransferError:
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
             self._forget(peer)
-        return TransferError(f"{what} failed: {exc.code().name}: {exc.details()}")
+        # the receiver refused a range (INVALID_ARGUMENT ...) after checking it: nothing in
+        # flight; otherwise chunks it already received may still be applied
+        unsettled = exc.code() in UNSETTLED_CODES
+        return TransferError(f"{what} failed: {exc.code().name}: {exc.details()}", unsettled)
 
     def close(self) -> None:
         with self._lock:

@@ -54,10 +54,13 @@ def _check_ids(name: str, block_ids: Sequence[int], num_blocks: int) -> None:
 
 def plan_block_writes(src: KVLayout, dst: KVLayout, src_block_ids: Sequence[int],
                       dst_block_ids: Sequence[int], layers: Sequence[int] | None = None,
-                      ) -> list[tuple[int, int, int]]:
+                      last_block_tokens: int | None = None) -> list[tuple[int, int, int]]:
     """(local_address, remote_address, length) writes copying src blocks into dst blocks for
-    the given layers (default: all). Pure; ValueError on incompatible layouts, unequal id
-    counts, ids or layers out of range, or a destination id given twice."""
+    the given layers (default: all). last_block_tokens: copy only the first that many token
+    slots of the last block (a prompt's partial tail: the receiver writes the rest itself,
+    so the rest must never be overwritten). Pure; ValueError on incompatible layouts,
+    unequal id counts, ids or layers out of range, a destination id given twice, or
+    last_block_tokens outside [1, block_size]."""
     src.check_compatible(dst)
     if len(src_block_ids) != len(dst_block_ids):
         raise ValueError(f"{len(src_block_ids)} source block ids but {len(dst_block_ids)} destination ids")
@@ -70,8 +73,15 @@ def plan_block_writes(src: KVLayout, dst: KVLayout, src_block_ids: Sequence[int]
     if bad_layers:
         raise ValueError(f"layers {bad_layers} outside [0, {src.num_layers})")
     runs = block_runs(src_block_ids, dst_block_ids)
-    return [(src.block_address(layer, kv, s), dst.block_address(layer, kv, d), n * src.block_bytes)
-            for layer in layers for kv in (0, 1) for s, d, n in runs]
+    short = 0  # bytes left out at the end of the last run
+    if last_block_tokens is not None:
+        if not 1 <= last_block_tokens <= src.block_size:
+            raise ValueError(f"last_block_tokens must be in [1, {src.block_size}], got {last_block_tokens}")
+        short = (src.block_size - last_block_tokens) * (src.block_bytes // src.block_size)
+    last = len(runs) - 1
+    return [(src.block_address(layer, kv, s), dst.block_address(layer, kv, d),
+             n * src.block_bytes - (short if i == last else 0))
+            for layer in layers for kv in (0, 1) for i, (s, d, n) in enumerate(runs)]
 
 
 def plan_block_reads(src: KVLayout, dst: KVLayout, src_block_ids: Sequence[int],
@@ -94,21 +104,24 @@ class KVSender:
         self.local = local
 
     def send_blocks(self, peer_endpoint: str, dst_layout: KVLayout, src_block_ids: Sequence[int],
-                    dst_block_ids: Sequence[int], layers: Sequence[int] | None = None) -> int:
+                    dst_block_ids: Sequence[int], layers: Sequence[int] | None = None,
+                    last_block_tokens: int | None = None, timeout_s: float | None = None) -> int:
         """Copy src blocks (local) into dst blocks (peer); returns bytes written once the peer
         acknowledged all of them. ValueError as plan_block_writes; TransferError from the
-        engine (then nothing is known about which bytes arrived)."""
-        batch = plan_block_writes(self.local, dst_layout, src_block_ids, dst_block_ids, layers)
+        engine (then nothing is known about which bytes arrived), within timeout_s."""
+        batch = plan_block_writes(self.local, dst_layout, src_block_ids, dst_block_ids, layers,
+                                  last_block_tokens)
         if not batch:
             return 0
-        return self.engine.write(peer_endpoint, batch)
+        return self.engine.write(peer_endpoint, batch, timeout_s)
 
     def fetch_blocks(self, peer_endpoint: str, src_layout: KVLayout, src_block_ids: Sequence[int],
-                     dst_block_ids: Sequence[int], layers: Sequence[int] | None = None) -> int:
+                     dst_block_ids: Sequence[int], layers: Sequence[int] | None = None,
+                     timeout_s: float | None = None) -> int:
         """Copy src blocks (peer, laid out as src_layout) into dst blocks (local); returns bytes
         read once all of them arrived. ValueError as plan_block_reads; TransferError from the
-        engine (then the dst blocks hold unknown bytes)."""
+        engine (then the dst blocks hold unknown bytes), within timeout_s."""
         batch = plan_block_reads(src_layout, self.local, src_block_ids, dst_block_ids, layers)
         if not batch:
             return 0
-        return self.engine.read(peer_endpoint, batch)
+        return self.engine.read(peer_endpoint, batch, timeout_s)

@@ -28,8 +28,9 @@ so one `batch_transfer_sync_write` of ~2,100+ ranges fails outright (the bench m
 concurrent transfers to one peer under that too. Completion is polled with short sleeps: the
 binding's `batch_transfer_sync_write` busy-waits on a core, which on a small host starves the
 transport's own I/O thread (measured: ~20-50% slower on 2 cores). A transfer that fails or
-passes `timeout_s` + 1 s/GB raises TransferError after its in-flight ranges settle (or the
-deadline passes; then they are abandoned).
+passes its timeout (the call's `timeout_s`, else the engine's) raises TransferError after
+its in-flight ranges have ended, waiting up to one more timeout for them; ranges still
+pending after that are reported (`unsettled`): they may yet land.
 
 The peer checks the remote range of a write or read against its registered memory (failing
 that range fast); the local range is checked only by transports that need it registered
@@ -90,23 +91,25 @@ class MooncakeTransfer(TransferEngine):
         self._regions.append(region)
         return region
 
-    def write(self, peer: str, batch: list[tuple[int, int, int]]) -> int:
-        return self._transfer("write", peer, batch, self._engine.transfer_submit_write)
+    def write(self, peer: str, batch: list[tuple[int, int, int]], timeout_s: float | None = None) -> int:
+        return self._transfer("write", peer, batch, self._engine.transfer_submit_write, timeout_s)
 
-    def read(self, peer: str, batch: list[tuple[int, int, int]]) -> int:
-        return self._transfer("read", peer, batch, self._submit_read)
+    def read(self, peer: str, batch: list[tuple[int, int, int]], timeout_s: float | None = None) -> int:
+        return self._transfer("read", peer, batch, self._submit_read, timeout_s)
 
     def _submit_read(self, peer: str, local: int, remote: int, length: int) -> int:
         return self._engine.batch_transfer_async(peer, [local], [remote], [length], self._read_opcode)
 
-    def _transfer(self, op: str, peer: str, batch: list[tuple[int, int, int]], submit) -> int:
+    def _transfer(self, op: str, peer: str, batch: list[tuple[int, int, int]], submit,
+                  timeout_s: float | None) -> int:
         """Runs `submit(peer, local, remote, length) -> batch id (0: refused)` for every
         non-empty range, at most max_inflight pending, and waits for all of them."""
         if any(length < 0 for _, _, length in batch):
             raise ValueError(f"negative length in {op} batch with {peer}")
         batch = [w for w in batch if w[2]]
         total = sum(length for _, _, length in batch)
-        deadline = time.monotonic() + self.timeout_s + total / 1e9
+        timeout_s = timeout_s or self.timeout_s
+        deadline = time.monotonic() + timeout_s
         pending: deque[int] = deque()
         delay = 2e-5
         try:
@@ -120,9 +123,13 @@ class MooncakeTransfer(TransferEngine):
                 pending.append(batch_id)
             while pending:
                 delay = self._wait_first(op, peer, pending, deadline, delay)
-        except TransferError:
-            self._drain(pending, deadline)
+        except TransferError as e:
+            # ranges still pending may land: wait for each to end, with a grace of its own
+            # (the deadline may have passed already); any still pending after it is unsettled
+            if not self._drain(pending, time.monotonic() + timeout_s):
+                raise TransferError(f"{e} ({len(pending)} range(s) still in flight)", unsettled=True) from None
             raise
+        (self.count_written if op == "write" else self.count_read)(total)
         return total
 
     def _wait_first(self, op: str, peer: str, pending: deque[int], deadline: float,
@@ -141,12 +148,14 @@ class MooncakeTransfer(TransferEngine):
                                 "range not registered there, or timeout)")
         return delay
 
-    def _drain(self, pending: deque[int], deadline: float) -> None:
+    def _drain(self, pending: deque[int], deadline: float) -> bool:
+        """Wait until every pending range has ended (True) or the deadline passed (False)."""
         while pending and time.monotonic() < deadline:
             if self._engine.transfer_check_status(pending[0]) != 0:
                 pending.popleft()
             else:
                 time.sleep(1e-3)
+        return not pending
 
     def close(self) -> None:
         engine, self._engine = self._engine, None

@@ -1,116 +1,130 @@
-"""The decode node's side of one disaggregated prefill (the RemotePrefill protocol of
-common/engine/async_engine.py): have the prefill node fill this node's destination
-blocks, or cancel it so that no write lands after our blocks are freed.
+"""The decode node's side of one disaggregated prefill: the RemoteKV that
+common/engine/async_engine.py drives (fill, cancel, settled).
 
-Calls go over one PrefillStream per prefill node (services/prefill/stream.py), shared
-by every request (PrefillStreams); a prefill node that does not serve it (UNIMPLEMENTED)
-gets the unary Prefill / CancelPrefill from then on.
+Lifecycle of one RemotePrefill:
+  fill(block_ids, n)  Prefill on the routed prefill node, then on each fallback node the
+                      route listed while a node answers RESOURCE_EXHAUSTED (full: it
+                      wrote nothing); deadline: timeouts.prefill_s, or what remains of the
+                      request if less. Returns the first token; raises otherwise (the
+                      engine then calls cancel() and prefills here).
+  cancel()            stop the call in flight. A status the prefill node answered itself
+                      (it marks it `pdmesh-writes-settled`) proves that none of its writes
+                      can land: True at once. Otherwise CancelPrefill(request id) on that
+                      node, waiting up to timeouts.cancel_ack_s: True when it answers
+                      settled; False when it does not answer or is still settling.
+  settled()           after cancel() returned False: ask again every poll until the node
+                      says settled, or until it is known dead (gone from the membership:
+                      its lease lapsed) and timeouts.transfer_s more passed. Meanwhile the
+                      engine keeps the destination blocks QUARANTINED.
 
-Lifecycle of one call: run() sends the prefill and returns its first token (raises when
-it failed: the engine then prefills locally) -> or cancel(), at any point: before run()
-sent anything, run() will not send; afterwards the prefill is cancelled on its node and
-cancel() returns once that node has answered that none of its writes can land any more
-(or the stream to it broke: the node is gone or stops the prefill itself). run() then
-raises CancelledError.
+The request id is the mesh's id of this attempt, so CancelPrefill can name it safely.
+Thread-safety: event loop only.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
+from common.engine.async_engine import KVFilled
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from services.call_stream import CallStreamClient
-from services.engine_node import EngineNode
 
 log = logging.getLogger("pdmesh.decode")
-CANCEL_TIMEOUT_S = 5.0
+SETTLED_KEY = "pdmesh-writes-settled"   # trailing metadata of a status the prefill node answered
+SETTLED_POLL_S = 0.5                    # settled(): how often to ask a quiet prefill node again
 
 
-class PrefillStreams:
-    """One PrefillStream client per prefill node address (event loop only)."""
-
-    def __init__(self, node: EngineNode):
-        self.node = node
-        self._streams: dict[str, CallStreamClient] = {}
-        self.unary_only: set[str] = set()
-
-    def get(self, address: str) -> CallStreamClient:
-        stream = self._streams.get(address)
-        if stream is None:
-            stub = engine_pb2_grpc.PrefillStub(self.node.channel(address))
-            stream = self._streams[address] = CallStreamClient(stub.PrefillStream)
-        return stream
-
-    async def close(self) -> None:
-        for stream in self._streams.values():
-            await stream.close()
+def answered_settled(error: grpc.aio.AioRpcError) -> bool:
+    """True when the prefill node itself ended the call after its writes had ended."""
+    return any(key == SETTLED_KEY for key, _ in (error.trailing_metadata() or ()))
 
 
-class RemotePrefillCall:
-    def __init__(self, node: EngineNode, request_id: str, prompt: list[int],
-                 sampling: common_pb2.SamplingParams, prefill: common_pb2.NodeInfo, timeout_s: float,
-                 streams: PrefillStreams):
-        self.node, self.request_id, self.prompt = node, request_id, prompt
-        self.sampling, self.prefill, self.timeout_s = sampling, prefill, timeout_s
-        self.streams = streams
+class RemotePrefill:
+    def __init__(self, node, request: engine_pb2.DecodeRequest, deadline: float):
+        """node: the decode EngineNode (channel, transfer, layout, timeouts, is_member);
+        deadline: the request's, time.monotonic()."""
+        self.node, self.request, self.deadline = node, request, deadline
+        self.candidates = [request.prefill, *request.prefill_fallbacks]
+        self.prefill: common_pb2.NodeInfo = request.prefill   # the node being asked
         self.reply: engine_pb2.PrefillResponse | None = None
-        self._call = None            # the unary Prefill call
-        self._call_id = 0            # the call on the stream
+        self.num_refused = 0                  # nodes that answered RESOURCE_EXHAUSTED
+        self._call = None
+        self._unsettled = False               # a call ended (or was left) with writes possibly in flight
         self._cancelled = False
+        self._cancel: asyncio.Task | None = None
 
-    async def run(self, block_ids: list[int], num_cached_tokens: int) -> int:
-        if self._cancelled:
-            raise asyncio.CancelledError()
+    def _stub(self, info: common_pb2.NodeInfo) -> engine_pb2_grpc.PrefillStub:
+        return engine_pb2_grpc.PrefillStub(self.node.channel(info.address))
+
+    async def fill(self, block_ids: list[int], num_cached_tokens: int) -> KVFilled:
+        timeouts = self.node.mesh.timeouts
         dest = engine_pb2.KVDestination(
             node_id=self.node.node.node_id, transfer_endpoint=self.node.transfer.endpoint,
             layout=self.node.layout.to_proto(), block_ids=block_ids,
             num_cached_tokens=num_cached_tokens)
-        request = engine_pb2.PrefillRequest(request_id=self.request_id, prompt_token_ids=self.prompt,
-                                            sampling=self.sampling, destination=dest)
-        address = self.prefill.address
-        if address not in self.streams.unary_only:
-            stream = self.streams.get(address)
-            self._call_id = stream.next_call_id()
+        request = engine_pb2.PrefillRequest(request_id=self.request.request_id,
+                                            prompt_token_ids=self.request.prompt_token_ids,
+                                            sampling=self.request.sampling, destination=dest)
+        for info in self.candidates:
+            if self._cancelled:
+                raise asyncio.CancelledError()
+            self.prefill = info
+            timeout = min(timeouts.prefill_s, self.deadline - time.monotonic())
+            if timeout <= 0:
+                raise TimeoutError("the request's deadline passed before its prefill")
+            self._unsettled = True
+            self._call = self._stub(info).Prefill(request, timeout=timeout)
             try:
-                answer = await stream.call(engine_pb2.PrefillStreamRequest(
-                    call_id=self._call_id, prefill=request), timeout=self.timeout_s)
-                self.reply = answer.prefill
-                return self.reply.first_token_id
+                self.reply = await self._call
             except grpc.aio.AioRpcError as e:
-                if self._cancelled:
-                    raise asyncio.CancelledError() from e
-                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
-                    raise
-                self.streams.unary_only.add(address)
-                self._call_id = 0
-        stub = engine_pb2_grpc.PrefillStub(self.node.channel(address))
-        self._call = stub.Prefill(request, timeout=self.timeout_s)
-        self.reply = await self._call
-        return self.reply.first_token_id
+                self._unsettled = not answered_settled(e)
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not self._unsettled:
+                    self.num_refused += 1
+                    log.info("prefill node %s is full for %s; trying the next", info.node_id,
+                             self.request.request_id)
+                    continue
+                raise
+            self._unsettled = False
+            return KVFilled(len(self.request.prompt_token_ids), self.reply.first_token_id)
+        raise RuntimeError(f"every prefill node is full ({self.num_refused} refused)")
 
-    async def cancel(self) -> None:
-        """Ask the prefill node to stop writing and wait until it has; then drop the call."""
+    async def cancel(self) -> bool:
+        """Idempotent: a second call returns the first one's answer."""
         self._cancelled = True
-        if self._call_id:
-            stream = self.streams.get(self.prefill.address)
-            try:
-                await stream.call(engine_pb2.PrefillStreamRequest(cancel_call_id=self._call_id),
-                                  timeout=CANCEL_TIMEOUT_S)
-            except grpc.aio.AioRpcError as e:
-                log.info("cancelling the prefill of %s on %s: %s", self.request_id, self.prefill.node_id,
-                         e.code().name)
-                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    stream.reset()  # silent: its calls fail, and the prefill node stops them
-            return
-        if self._call is None:
-            return
-        stub = engine_pb2_grpc.PrefillStub(self.node.channel(self.prefill.address))
-        try:
-            await stub.CancelPrefill(engine_pb2.CancelPrefillRequest(request_id=self.request_id),
-                                     timeout=CANCEL_TIMEOUT_S)
-        except grpc.aio.AioRpcError as e:
-            log.info("CancelPrefill of %s on %s: %s", self.request_id, self.prefill.node_id, e.code().name)
-        finally:
+        if self._cancel is None:
+            self._cancel = asyncio.ensure_future(self._stop())
+        return await asyncio.shield(self._cancel)
+
+    async def _stop(self) -> bool:
+        if self._call is not None:
             self._call.cancel()
+        if not self._unsettled:
+            return True
+        return await self._ask_settled(self.node.mesh.timeouts.cancel_ack_s)
+
+    async def _ask_settled(self, timeout: float) -> bool:
+        try:
+            reply = await self._stub(self.prefill).CancelPrefill(
+                engine_pb2.CancelPrefillRequest(request_id=self.request.request_id), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            log.info("CancelPrefill of %s on %s: %s", self.request.request_id, self.prefill.node_id,
+                     e.code().name)
+            return False
+        return reply.settled
+
+    async def settled(self) -> None:
+        timeouts = self.node.mesh.timeouts
+        dead_since = None
+        while True:
+            if await self._ask_settled(SETTLED_POLL_S):
+                return
+            if dead_since is None:
+                if await self.node.is_member(self.prefill.node_id) is False:
+                    dead_since = time.monotonic()
+                    log.warning("prefill node %s is gone; the blocks of %s are freed in %.1fs",
+                                self.prefill.node_id, self.request.request_id, timeouts.transfer_s)
+            elif time.monotonic() - dead_since >= timeouts.transfer_s:
+                return
+            await asyncio.sleep(SETTLED_POLL_S)

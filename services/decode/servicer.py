@@ -1,18 +1,16 @@
 """Decode servicer (also serves `both` nodes).
 
-Lifecycle of a Generate RPC here:
+Lifecycle of a Generate RPC here (the request's states: common/engine/lifecycle.py):
   validate -> queue full? RESOURCE_EXHAUSTED
   -> admitted: blocks allocated for the prompt (local prefix hits first)
-  -> prefill: by the given prefill node (it writes our blocks, returns the first token),
-     or locally when none is given or the prefill node fails
+  -> prefill: by the routed prefill node (it writes our blocks, returns the first token;
+     a full one passes to the route's fallbacks), or locally when none is given or the
+     prefill fails (services/decode/remote_prefill.py); the call's deadline bounds it
   -> continuous-batching decode; one message per new token; the last carries
      finish_reason and usage
-Client cancel: the request is aborted, a running remote prefill cancelled first, and its
-blocks freed.
-
-GenerateStream carries a gateway's Generate calls over one long-lived stream
-(services/decode/generate_stream.py); each call is served by Generate as above, and
-leaving it (or the stream ending) is a client cancel.
+Client cancel (the gateway cancels the call): the request is aborted; a remote prefill in
+flight is cancelled first, and its blocks are freed once its writes are known to have
+stopped (QUARANTINED until then).
 """
 from __future__ import annotations
 
@@ -24,8 +22,7 @@ import grpc
 from common.engine.async_engine import EngineDeadError
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.convert import sampling_from_proto, usage
-from services.decode.generate_stream import serve_generate_stream
-from services.decode.remote_prefill import PrefillStreams, RemotePrefillCall
+from services.decode.remote_prefill import RemotePrefill
 from services.engine_node import EngineNode
 
 log = logging.getLogger("pdmesh.decode")
@@ -34,27 +31,28 @@ log = logging.getLogger("pdmesh.decode")
 class DecodeServicer(engine_pb2_grpc.DecodeServicer):
     def __init__(self, node: EngineNode):
         self.node = node
-        self.prefill_streams = PrefillStreams(node)
 
     async def Generate(self, request, context):
         rid, prompt = request.request_id, list(request.prompt_token_ids)
+        engine = self.node.engine
         try:
             params = sampling_from_proto(request.sampling)
-            self.node.llm_engine.validate_request(rid, prompt, params)
+            engine.validate(rid, prompt, params)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if len(self.node.llm_engine.scheduler.waiting) >= self.node.node.max_queue:
+        if engine.num_waiting() >= self.node.node.max_queue:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"decode node {self.node.node.node_id} has {self.node.node.max_queue} "
                                 "requests waiting; retry later")
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + (remaining if remaining is not None else self.node.mesh.timeouts.request_s)
         remote = None
         if request.HasField("prefill") and request.prefill.address:
-            remote = RemotePrefillCall(self.node, rid, prompt, request.sampling, request.prefill,
-                                       self.node.node.prefill_timeout_s, self.prefill_streams)
+            remote = RemotePrefill(self.node, request, deadline)
         num_out = 0
         start = time.perf_counter()
         try:
-            async for out in self.node.engine.generate(rid, prompt, params, remote=remote):
+            async for out in engine.generate(rid, prompt, params, remote=remote):
                 reply = engine_pb2.DecodeResponse(token_ids=out.new_token_ids)
                 if num_out == 0:
                     reply.prefill_timing.CopyFrom(self._timing(remote, out, time.perf_counter() - start))
@@ -71,10 +69,6 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         except EngineDeadError as e:
             await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {e}")
 
-    async def GenerateStream(self, request_iterator, context):
-        """Generate calls of one gateway over one stream."""
-        await serve_generate_stream(self, request_iterator, context)
-
     @staticmethod
     def _timing(remote, out, elapsed_s: float) -> common_pb2.PrefillTiming:
         if remote is not None and remote.reply is not None:
@@ -83,4 +77,4 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
                                         compute_ms=(elapsed_s - out.queue_s) * 1e3)
 
     async def GetEngineStats(self, request, context):
-        return self.node.engine_stats()
+        return await self.node.engine_stats()

@@ -1,14 +1,13 @@
-"""The gateway's calls to decode nodes: Generate over one long-lived GenerateStream per
-decode node (services/call_stream), which saves a new RPC's setup on every request.
+"""The gateway's calls to decode nodes: one plain server-streaming Generate per request
+attempt, on one long-lived channel per decode node (HTTP/2 multiplexes the calls; a
+call's deadline, cancellation and error are its own).
 
     call = decode.generate(address, DecodeRequest(...), timeout_s)
-    async for msg in call: ...       # DecodeResponse, as from the unary-stream Generate
+    async for msg in call: ...       # DecodeResponse
     call.cancel()                    # leave it: the decode node aborts the request
 
-Errors are grpc.aio.AioRpcError with Generate's status codes; a broken stream fails each
-of its calls with UNAVAILABLE (the next call opens a new one). A decode node that does
-not serve GenerateStream (UNIMPLEMENTED) is called with the unary-stream Generate from
-then on. Thread-safety: event loop only.
+Back-pressure: at most MAX_CALLS_PER_PEER calls in flight to one decode node; past that
+the call fails at once with RESOURCE_EXHAUSTED. Thread-safety: event loop only.
 """
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ import grpc
 
 from protos.pdmesh.v1 import engine_pb2, engine_pb2_grpc
 from services import grpc_util
-from services.call_stream import CallStreamClient
 
 
 class DecodeCall:
@@ -24,50 +22,42 @@ class DecodeCall:
 
     def __init__(self, client: "DecodeClient", address: str, request: engine_pb2.DecodeRequest,
                  timeout_s: float):
-        self._client, self._address, self._request, self._timeout_s = client, address, request, timeout_s
+        self._client, self._address = client, address
+        self._request, self._timeout_s = request, timeout_s
         self._call = None
         self._messages = None
-        self._streamed = False
-        self._received = False
-
-    def _start(self) -> None:
-        self._streamed = self._address not in self._client.unary_only
-        if not self._streamed:
-            self._call = self._client.stub(self._address).Generate(self._request, timeout=self._timeout_s)
-            self._messages = self._call.__aiter__()
-        else:
-            self._call = self._client.stream(self._address).open(
-                engine_pb2.GenerateStreamRequest(generate=self._request), timeout=self._timeout_s)
-            self._messages = self._call
+        self._slot = None
 
     def __aiter__(self):
         return self
 
     async def __anext__(self) -> engine_pb2.DecodeResponse:
         if self._call is None:
-            self._start()
+            self._slot = self._client.limits.acquire(self._address)   # raises RESOURCE_EXHAUSTED
+            self._call = self._client.stub(self._address).Generate(self._request, timeout=self._timeout_s)
+            self._messages = self._call.__aiter__()
         try:
-            msg = await self._messages.__anext__()
-        except grpc.aio.AioRpcError as e:
-            if not (self._streamed and not self._received and e.code() == grpc.StatusCode.UNIMPLEMENTED):
-                raise
-            self._client.unary_only.add(self._address)
-            self._start()
-            msg = await self._messages.__anext__()
-        self._received = True
-        return msg.response if self._streamed else msg
+            return await self._messages.__anext__()
+        except (StopAsyncIteration, grpc.aio.AioRpcError):
+            self._release()
+            raise
 
     def cancel(self) -> None:
         if self._call is not None:
             self._call.cancel()
+        self._release()
+
+    def _release(self) -> None:
+        slot, self._slot = self._slot, None
+        if slot is not None:
+            slot.release()
 
 
 class DecodeClient:
-    def __init__(self):
+    def __init__(self, max_calls_per_peer: int = grpc_util.MAX_CALLS_PER_PEER):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, engine_pb2_grpc.DecodeStub] = {}
-        self._streams: dict[str, CallStreamClient] = {}
-        self.unary_only: set[str] = set()
+        self.limits = grpc_util.PeerLimits(max_calls_per_peer)
 
     def stub(self, address: str) -> engine_pb2_grpc.DecodeStub:
         stub = self._stubs.get(address)
@@ -76,17 +66,9 @@ class DecodeClient:
             stub = self._stubs[address] = engine_pb2_grpc.DecodeStub(self._channels[address])
         return stub
 
-    def stream(self, address: str) -> CallStreamClient:
-        stream = self._streams.get(address)
-        if stream is None:
-            stream = self._streams[address] = CallStreamClient(self.stub(address).GenerateStream)
-        return stream
-
     def generate(self, address: str, request: engine_pb2.DecodeRequest, timeout_s: float) -> DecodeCall:
         return DecodeCall(self, address, request, timeout_s)
 
     async def close(self) -> None:
-        for stream in self._streams.values():
-            await stream.close()
         for ch in self._channels.values():
             await ch.close()

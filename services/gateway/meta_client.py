@@ -4,14 +4,8 @@ A call goes to the meta-server that answered last. When it is unreachable, or an
 FAILED_PRECONDITION (a standby: only the leader routes), the next address is tried, in
 turn, until `follow_timeout_s` has passed: a standby that takes over within one TTL is
 found without the request failing. An application answer (e.g. UNAVAILABLE "no live
-decode node") is returned as is.
-
-`route` sends Route over one long-lived RouteStream per meta-server (saving a unary
-call's setup on every request), with the same following: a call the stream answers
-FAILED_PRECONDITION moves on to the next address, a broken stream fails its open calls
-with UNAVAILABLE (they move on too) and is opened again at the next call to that
-address, a stream silent past the timeout is dropped. A meta-server that does not
-serve RouteStream (UNIMPLEMENTED) is asked with the unary Route from then on.
+decode node") is returned as is. Calls are plain unary RPCs on one long-lived channel per
+meta-server (HTTP/2 multiplexes them).
 
 Thread-safety: event loop only.
 """
@@ -25,7 +19,6 @@ import grpc
 
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
 from services import grpc_util
-from services.call_stream import CallStreamClient
 
 NO_NODE_PREFIX = "no live"
 FOLLOW = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION,
@@ -40,8 +33,6 @@ class MetaClient:
         self.follow_timeout_s = follow_timeout_s
         self._channels = [grpc_util.channel(a) for a in self.addresses]
         self._stubs = [meta_pb2_grpc.MetaServerStub(ch) for ch in self._channels]
-        self._streams = [CallStreamClient(stub.RouteStream) for stub in self._stubs]
-        self._unary_route: set[int] = set()   # addresses without RouteStream
         self._current = 0
 
     @property
@@ -53,23 +44,8 @@ class MetaClient:
         return await self._follow(lambda i: getattr(self._stubs[i], method)(request, timeout=timeout))
 
     async def route(self, request: meta_pb2.RouteRequest, timeout: float = 5.0) -> meta_pb2.RouteResponse:
-        """Route over the current meta-server's RouteStream, following the leader; raises
-        grpc.aio.AioRpcError with the unary Route's status codes."""
-        async def attempt(i: int) -> meta_pb2.RouteResponse:
-            if i not in self._unary_route:
-                try:
-                    reply = await self._streams[i].call(meta_pb2.RouteStreamRequest(route=request),
-                                                        timeout=timeout)
-                    return reply.route
-                except grpc.aio.AioRpcError as e:
-                    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                        self._streams[i].reset()
-                    if e.code() != grpc.StatusCode.UNIMPLEMENTED:
-                        raise
-                    self._unary_route.add(i)
-            return await self._stubs[i].Route(request, timeout=timeout)
-
-        return await self._follow(attempt)
+        """Route, following the leader; raises grpc.aio.AioRpcError."""
+        return await self.call("Route", request, timeout)
 
     async def _follow(self, attempt: Callable[[int], Awaitable]):
         deadline = time.monotonic() + self.follow_timeout_s
@@ -85,7 +61,5 @@ class MetaClient:
                 await asyncio.sleep(0.1)
 
     async def close(self) -> None:
-        for stream in self._streams:
-            await stream.close()
         for ch in self._channels:
             await ch.close()

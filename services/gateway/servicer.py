@@ -2,23 +2,28 @@
 
 Lifecycle of a Generate RPC:
   validate + tokenize (INVALID_ARGUMENT naming the field)
-  -> Route at the meta-server with the prompt's block hashes (UNAVAILABLE when no decode node),
-     over one long-lived RouteStream (services/gateway/meta_client.py)
-  -> the decode node's Generate stream, a call on one long-lived GenerateStream per decode
-     node (services/gateway/decode_client.py; it prefills locally or through the prefill node);
-     a decode node that is UNAVAILABLE before sending anything (e.g. just died, not yet
-     expired by the meta-server) is excluded and the request routed again
+  -> the request's deadline: timeouts.request_s, or the client's own deadline if sooner;
+     every hop below gets what remains of it
+  -> per attempt, a mesh request id minted here (the client's request_id is kept for logs
+     only, so two clients may use the same one)
+  -> Route at the meta-server with the prompt's block hashes (UNAVAILABLE when no decode
+     node) -> the decode node's Generate stream (it prefills locally or through the
+     prefill node, falling back to the other prefill nodes the route lists); a decode node
+     that is UNAVAILABLE before sending anything (e.g. just died, not yet expired by the
+     meta-server) is excluded and the request routed again as a new attempt
   -> incremental detokenization, stop strings -> GenerateResponse chunks; the last one
      has finish_reason (stop | length | abort) and usage
-Client cancel: the decode stream is cancelled, which aborts the request downstream.
+Client cancel: the decode call is cancelled, which aborts the request downstream.
 """
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 import grpc
 
+from common.config import TimeoutConfig
 from common.engine.stop_strings import StopStringMatcher
 from common.hashing import hash_block_chain, layout_key
 from common.model.detokenizer import IncrementalDetokenizer
@@ -31,19 +36,19 @@ from services.convert import sampling_from_proto
 
 log = logging.getLogger("pdmesh.gateway")
 PASS_THROUGH = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                grpc.StatusCode.UNAVAILABLE)
+                grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 MAX_ROUTE_ATTEMPTS = 3
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, tokenizer: Tokenizer, model_id: str, vocab_size: int, max_model_len: int,
-                 meta_addresses: list[str] | str, request_timeout_s: float):
+                 meta_addresses: list[str] | str, timeouts: TimeoutConfig = TimeoutConfig()):
         self.tokenizer, self.model_id = tokenizer, model_id
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         if isinstance(meta_addresses, str):
             meta_addresses = [meta_addresses]
-        self.meta = MetaClient(meta_addresses)
-        self.request_timeout_s = request_timeout_s
+        self.timeouts = timeouts
+        self.meta = MetaClient(meta_addresses, timeouts.meta_follow_s)
         self.decode = DecodeClient()
         self._hash_args: tuple[int, str, str] | None = None   # block_size, model_id, layout
 
@@ -85,26 +90,38 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         validate_request(ids, params, self.vocab_size, self.max_model_len)
         return ids, params
 
+    def _deadline(self, context) -> float:
+        """The request's deadline (time.monotonic): request_s, or the client's if sooner."""
+        remaining = self.timeouts.request_s
+        client = context.time_remaining()
+        if client is not None:
+            remaining = min(remaining, client)
+        return time.monotonic() + remaining
+
     async def Generate(self, request, context):
         try:
             ids, params = self._validate(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        rid = request.request_id or uuid.uuid4().hex
+        deadline = self._deadline(context)
+        client_id = request.request_id
         hashes = await self._block_hashes(ids)
         excluded: list[str] = []
         for attempt in range(MAX_ROUTE_ATTEMPTS):
+            rid = uuid.uuid4().hex  # the mesh's id of this attempt
             try:
                 route = await self.meta.route(meta_pb2.RouteRequest(
                     request_id=rid, model_id=self.model_id, num_prompt_tokens=len(ids),
-                    block_hashes=hashes, exclude_node_ids=excluded), timeout=5)
+                    block_hashes=hashes, exclude_node_ids=excluded),
+                    timeout=min(self.timeouts.route_s, _remaining(deadline)))
             except grpc.aio.AioRpcError as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"no route for the request: {e.details()}")
             downstream = engine_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids,
-                                                  sampling=request.sampling)
+                                                  sampling=request.sampling, client_request_id=client_id)
             if not route.local_prefill:
                 downstream.prefill.CopyFrom(route.prefill)
-            call = self.decode.generate(route.decode.address, downstream, self.request_timeout_s)
+                downstream.prefill_fallbacks.extend(route.prefill_fallbacks)
+            call = self.decode.generate(route.decode.address, downstream, _remaining(deadline))
             detok = IncrementalDetokenizer(self.tokenizer, ids)
             matcher = StopStringMatcher(params.stop)
             num_out = 0
@@ -136,8 +153,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             except grpc.aio.AioRpcError as e:
                 if (not sent and e.code() == grpc.StatusCode.UNAVAILABLE
                         and attempt + 1 < MAX_ROUTE_ATTEMPTS):
-                    log.warning("decode node %s unavailable for %s (%s); routing again",
-                                route.decode.node_id, rid, e.details())
+                    log.warning("decode node %s unavailable for %s (client id %r; %s); routing again",
+                                route.decode.node_id, rid, client_id, e.details())
                     excluded.append(route.decode.node_id)
                     continue
                 code = e.code() if e.code() in PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
@@ -160,3 +177,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def close(self) -> None:
         await self.meta.close()
         await self.decode.close()
+
+
+def _remaining(deadline: float) -> float:
+    """Seconds left until deadline; a tiny positive value once it passed (the call then
+    fails DEADLINE_EXCEEDED at once)."""
+    return max(deadline - time.monotonic(), 1e-3)

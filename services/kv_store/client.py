@@ -1,12 +1,16 @@
 """A node's handle on the kv-store: control by gRPC, bytes by the node's transfer engine
 between its KV cache and the store's pool.
 
-    get:  pin(hashes, token_ids) -> Pinned | None ; fetch(pinned, from, to, block_ids) ; release
+    get:  pin(hashes, token_ids) -> Pinned | None ; fetch(pinned, from, to, block_ids) ;
+          release(pinned) -> the read was valid (the slots held those blocks throughout)
     put:  put(block_ids, hashes, token_ids) -> blocks written (reserve, write, commit)
 
 The store is an optimisation, never a dependency: every failure (store down, timeout,
 transfer error, another transfer backend) is logged once per outage and reads as a miss
-or a skipped put. Each call is bounded by kv_store.client_timeout_s.
+or a skipped put. Each control call is bounded by timeouts.kv_store_call_s. A transfer
+starts only while its lease (pin or reservation) has more than timeouts.transfer_s left,
+and ends within the rest of it: it never outlives the lease it relies on, and a read that
+does anyway is caught by the slot generations at release.
 
 Thread-safety: event loop only; the transfers run on the node's executor.
 """
@@ -14,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import grpc
 
+from common.config import TimeoutConfig
 from common.transfer.base import TransferError
 from common.transfer.kv_writes import KVSender
 from common.transfer.layout import KVLayout
@@ -33,14 +39,17 @@ log = logging.getLogger("pdmesh.kv_store.client")
 class Pinned:
     pin_id: str
     slot_ids: list[int]
+    generations: list[int]
     endpoint: str
     layout: KVLayout
+    expires_at: float              # time.monotonic() when the pin's lease ends
 
 
 class KVStoreClient:
     def __init__(self, address: str, model_id: str, local_layout: KVLayout, sender: KVSender,
-                 executor: Executor, timeout_s: float = 2.0):
-        self.address, self.timeout_s = address, timeout_s
+                 executor: Executor, timeouts: TimeoutConfig = TimeoutConfig()):
+        self.address, self.timeouts = address, timeouts
+        self.timeout_s = timeouts.kv_store_call_s
         self.sender, self.executor = sender, executor
         self.space = kv_store_pb2.KeySpace(model_id=model_id, layout=local_layout.to_proto())
         self.block_size = local_layout.block_size
@@ -73,6 +82,7 @@ class KVStoreClient:
         """Pin the store's leading hits of the chain; None when it holds none or fails."""
         if not hashes:
             return None
+        asked = time.monotonic()
         try:
             reply = await self.stub.PinGet(kv_store_pb2.PinGetRequest(
                 space=self.space, block_hashes=hashes, token_ids=token_ids), timeout=self.timeout_s)
@@ -83,28 +93,49 @@ class KVStoreClient:
         if not reply.pin_id:
             return None
         layout = self._region_usable(reply.region)
+        pinned = Pinned(reply.pin_id, list(reply.slot_ids), list(reply.generations),
+                        reply.region.transfer_endpoint, layout, asked + reply.lease_seconds)
         if layout is None:
-            await self.release(reply.pin_id)
+            await self.release(pinned)
             return None
-        return Pinned(reply.pin_id, list(reply.slot_ids), reply.region.transfer_endpoint, layout)
+        return pinned
+
+    def _time_left(self, expires_at: float) -> float:
+        """Seconds a transfer may take under a lease ending at expires_at; <= 0: do not start."""
+        left = expires_at - time.monotonic()
+        return min(self.timeouts.transfer_s, left) if left > self.timeouts.transfer_s else 0.0
 
     async def fetch(self, pinned: Pinned, first: int, last: int, block_ids: Sequence[int]) -> bool:
-        """Read pinned slots [first, last) into the local blocks block_ids; False on failure."""
+        """Read pinned slots [first, last) into the local blocks block_ids; False on failure
+        (or too little of the pin's lease left to start). Valid only if release() says so."""
+        timeout_s = self._time_left(pinned.expires_at)
+        if timeout_s <= 0:
+            return False
         try:
             await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.sender.fetch_blocks, pinned.endpoint, pinned.layout,
-                pinned.slot_ids[first:last], list(block_ids))
+                self.executor, lambda: self.sender.fetch_blocks(
+                    pinned.endpoint, pinned.layout, pinned.slot_ids[first:last], list(block_ids),
+                    timeout_s=timeout_s))
         except (TransferError, ValueError) as e:
             self._failed("read", e)
             return False
         self.num_loaded_blocks += last - first
         return True
 
-    async def release(self, pin_id: str) -> None:
+    async def release(self, pinned: Pinned) -> bool:
+        """End the pin; True when its slots held the pinned blocks throughout (the store
+        checked their generations), so what was read from them is valid."""
         try:
-            await self.stub.Release(kv_store_pb2.ReleaseRequest(pin_id=pin_id), timeout=self.timeout_s)
+            reply = await self.stub.Release(kv_store_pb2.ReleaseRequest(
+                pin_id=pinned.pin_id, slot_ids=pinned.slot_ids, generations=pinned.generations),
+                timeout=self.timeout_s)
         except grpc.aio.AioRpcError as e:
             self._failed("Release", e)  # the pin's lease ends it anyway
+            return False
+        if not reply.valid:
+            log.info("kv-store pin %s lapsed or its slots were reused during the read: a miss",
+                     pinned.pin_id)
+        return reply.valid
 
     # ---- put ----------------------------------------------------------------------
     async def put(self, block_ids: Sequence[int], hashes: Sequence[bytes], token_ids: Sequence[int]) -> int:
@@ -112,6 +143,7 @@ class KVStoreClient:
         hold yet; returns how many were written and committed (0 on failure)."""
         if not hashes:
             return 0
+        asked = time.monotonic()
         try:
             reply = await self.stub.ReservePut(kv_store_pb2.ReservePutRequest(
                 space=self.space, block_hashes=hashes, token_ids=token_ids), timeout=self.timeout_s)
@@ -119,13 +151,15 @@ class KVStoreClient:
                 self._ok()
                 return 0
             layout = self._region_usable(reply.region)
-            if layout is None:
+            timeout_s = self._time_left(asked + reply.lease_seconds)
+            if layout is None or timeout_s <= 0:
                 return 0  # the reservation expires
             src = [block_ids[i] for i in reply.indices]
             try:
                 await asyncio.get_running_loop().run_in_executor(
-                    self.executor, self.sender.send_blocks, reply.region.transfer_endpoint, layout,
-                    src, list(reply.slot_ids))
+                    self.executor, lambda: self.sender.send_blocks(
+                        reply.region.transfer_endpoint, layout, src, list(reply.slot_ids),
+                        timeout_s=timeout_s))
             except (TransferError, ValueError) as e:
                 self._failed("write", e)
                 return 0

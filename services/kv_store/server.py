@@ -39,14 +39,15 @@ async def create_server(mesh: MeshConfig, port: int | None = None):
     redis = None
     if cfg.redis_url:
         redis = RedisTier(cfg.redis_url, key_prefix=f"pdmesh:{mesh.cluster}:kv", ttl_s=cfg.redis_ttl_s)
-    store = KVStore(cfg, transfer, redis)
+    store = KVStore(cfg, transfer, redis, timeouts=mesh.timeouts)
     server = grpc_util.new_server()
     kv_store_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(store), server)
     health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
     bound = grpc_util.bind(server, cfg.host, cfg.port if port is None else port)
     await server.start()
     await grpc_util.mark_serving(health, [SERVICE_NAME])
-    period = min(cfg.pin_ttl_s, cfg.reserve_ttl_s, 2.0) / 4
+    t = mesh.timeouts
+    period = min(t.kv_store_pin_lease_s, t.kv_store_reserve_lease_s, 2.0) / 4
     server.store = store
     server.expiry = asyncio.get_running_loop().create_task(_expire_loop(store, period))
     log.info("kv-store serving at %s:%d (transfer %s at %s; %.0f MB per key space; Redis %s)",

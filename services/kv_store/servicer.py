@@ -48,7 +48,7 @@ class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         return kv_store_pb2.ReservePutResponse(put_id=put_id, indices=indices, slot_ids=slots,
                                                region=self._region(space),
-                                               lease_seconds=self.store.cfg.reserve_ttl_s)
+                                               lease_seconds=self.store.timeouts.kv_store_reserve_lease_s)
 
     async def CommitPut(self, request, context):
         try:
@@ -68,14 +68,15 @@ class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
         except SpacesExhausted as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         reply = kv_store_pb2.PinGetResponse(pin_id=pin_id, slot_ids=slots, num_promoted=promoted,
-                                            lease_seconds=self.store.cfg.pin_ttl_s)
+                                            lease_seconds=self.store.timeouts.kv_store_pin_lease_s)
         if space is not None:
             reply.region.CopyFrom(self._region(space))
+            reply.generations.extend(self.store.generations(space, slots))
         return reply
 
     async def Release(self, request, context):
-        self.store.release(request.pin_id)
-        return kv_store_pb2.ReleaseResponse()
+        valid = self.store.release(request.pin_id, list(request.slot_ids), list(request.generations))
+        return kv_store_pb2.ReleaseResponse(valid=valid)
 
     async def Stats(self, request, context):
         return kv_store_pb2.StatsResponse(**self.store.stats())

@@ -9,7 +9,11 @@ Life of a block in the store:
             would pass its high watermark, down to its low watermark
 
 Only COMMITTED blocks are found by lookup and pin, so a reader never sees a half-written
-block. Watermarks count used slots (reserved + committed) out of num_slots:
+block. Every slot has a generation, bumped whenever it is given to a new block: a reader
+that finishes after its pin lapsed checks the generations it was given (`unchanged`), so a
+read that overlapped a reuse of its slots is detected and becomes a miss. The slots of an
+expired reservation cool for `cool_s` (the transfer timeout) before reuse: a writer that
+outlived its lease can no longer be writing when they get a new block. Watermarks count used slots (reserved + committed) out of num_slots:
 
     reserve(n): if used + n > high: evict LRU unpinned until used + n <= low (or nothing
     evictable is left); then take the n lowest free slots (low ids first, so one put
@@ -49,8 +53,9 @@ class Lease:
 
 class SlotIndex:
     def __init__(self, num_slots: int, high_watermark: float = 0.9, low_watermark: float = 0.7,
-                 reserve_ttl_s: float = 30.0, pin_ttl_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic, id_prefix: str = ""):
+                 reserve_ttl_s: float = 30.0, pin_ttl_s: float = 20.0,
+                 clock: Callable[[], float] = time.monotonic, id_prefix: str = "",
+                 cool_s: float = 10.0):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if not 0 < low_watermark <= high_watermark <= 1:
@@ -64,6 +69,9 @@ class SlotIndex:
         self.entries: dict[bytes, Entry] = {}
         self.lru: OrderedDict[bytes, None] = OrderedDict()   # committed, oldest use first
         self.free_slots: list[int] = list(range(num_slots))  # a heap
+        self.generations: list[int] = [0] * num_slots
+        self.cool_s = cool_s
+        self.cooling: list[tuple[float, int]] = []           # (free again at, slot), a heap
         self.reservations: dict[str, Lease] = {}
         self.pins: dict[str, Lease] = {}
         self._ids = itertools.count(1)
@@ -73,7 +81,13 @@ class SlotIndex:
     # ---- reading ------------------------------------------------------------------
     @property
     def num_used(self) -> int:
+        """Slots not free: reserved, committed or cooling."""
         return self.num_slots - len(self.free_slots)
+
+    def unchanged(self, slots: Sequence[int], generations: Sequence[int]) -> bool:
+        """True if every slot still holds the block it held at those generations."""
+        return len(slots) == len(generations) and all(
+            0 <= s < self.num_slots and self.generations[s] == g for s, g in zip(slots, generations))
 
     @property
     def num_pinned(self) -> int:
@@ -106,7 +120,7 @@ class SlotIndex:
         for i in missing:
             if not self.free_slots:
                 break
-            slot = heapq.heappop(self.free_slots)
+            slot = self._take_slot()
             self.entries[hashes[i]] = Entry(hashes[i], slot, tuple(token_ids[i]))
             placed.append((i, slot))
         if not placed:
@@ -138,7 +152,7 @@ class SlotIndex:
         evicted = self._make_room(1)
         if not self.free_slots:
             return None, evicted
-        entry = Entry(block_hash, heapq.heappop(self.free_slots), tuple(token_ids), committed=True)
+        entry = Entry(block_hash, self._take_slot(), tuple(token_ids), committed=True)
         self.entries[block_hash] = entry
         self.lru[block_hash] = None
         return entry, evicted
@@ -190,10 +204,11 @@ class SlotIndex:
     def expire(self) -> tuple[int, int]:
         """Drop reservations and pins past their lease; returns (reservations, pins)."""
         now = self.clock()
+        self._uncool(now)
         stale_puts = [p for p, lease in self.reservations.items() if lease.expires_at <= now]
         for put_id in stale_puts:
             for h in self.reservations.pop(put_id).hashes:
-                self._drop(self.entries[h])
+                self._drop(self.entries[h], cool=True)
         stale_pins = [p for p, lease in self.pins.items() if lease.expires_at <= now]
         for pin_id in stale_pins:
             self.release(pin_id)
@@ -201,6 +216,7 @@ class SlotIndex:
         return len(stale_puts), len(stale_pins)
 
     def _make_room(self, num_needed: int) -> list[Entry]:
+        self._uncool(self.clock())
         if self.num_used + num_needed <= self.high_slots:
             return []
         target = max(0, self.low_slots - num_needed)
@@ -216,7 +232,19 @@ class SlotIndex:
         self.num_evictions += len(evicted)
         return evicted
 
-    def _drop(self, entry: Entry) -> None:
+    def _drop(self, entry: Entry, cool: bool = False) -> None:
         del self.entries[entry.block_hash]
         self.lru.pop(entry.block_hash, None)
-        heapq.heappush(self.free_slots, entry.slot)
+        if cool:
+            heapq.heappush(self.cooling, (self.clock() + self.cool_s, entry.slot))
+        else:
+            heapq.heappush(self.free_slots, entry.slot)
+
+    def _uncool(self, now: float) -> None:
+        while self.cooling and self.cooling[0][0] <= now:
+            heapq.heappush(self.free_slots, heapq.heappop(self.cooling)[1])
+
+    def _take_slot(self) -> int:
+        slot = heapq.heappop(self.free_slots)
+        self.generations[slot] += 1
+        return slot

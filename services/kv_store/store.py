@@ -2,8 +2,9 @@
 (bookkeeping) over a SlotMemory (registered bytes), plus the optional Redis tier.
 
     put:  reserve_put -> (the client writes the slots) -> commit_put
-    get:  pin_get (memory hits, then Redis hits promoted into slots) -> (the client
-          reads the slots) -> release
+    get:  pin_get (memory hits, then Redis hits promoted into slots; with the slots'
+          generations) -> (the client reads the slots) -> release, which says whether the
+          slots still hold those blocks (else the read was a miss)
     expire() drops stale reservations and pins; the server calls it periodically.
 
 Evicted blocks are copied out of their slots at once and spilled to Redis in the
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
-from common.config import KVStoreConfig
+from common.config import KVStoreConfig, TimeoutConfig
 from common.hashing import DIGEST_SIZE, layout_key
 from common.transfer.base import TransferEngine
 from common.transfer.layout import KVLayout
@@ -49,8 +50,9 @@ class Space:
 
 class KVStore:
     def __init__(self, cfg: KVStoreConfig, transfer: TransferEngine, redis: RedisTier | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, timeouts: TimeoutConfig = TimeoutConfig()):
         self.cfg, self.transfer, self.redis, self.clock = cfg, transfer, redis, clock
+        self.timeouts = timeouts
         self.spaces: dict[tuple[str, str], Space] = {}
         self._by_id_prefix: dict[str, Space] = {}
         self._spills: set[asyncio.Task] = set()
@@ -72,8 +74,10 @@ class KVStore:
         if num_slots < 1:
             raise ValueError(f"kv_store.capacity_mb {self.cfg.capacity_mb} holds no block of {per_slot} bytes")
         prefix = f"s{len(self.spaces) + 1}-"
+        t = self.timeouts
         index = SlotIndex(num_slots, self.cfg.high_watermark, self.cfg.low_watermark,
-                          self.cfg.reserve_ttl_s, self.cfg.pin_ttl_s, self.clock, id_prefix=prefix)
+                          t.kv_store_reserve_lease_s, t.kv_store_pin_lease_s, self.clock,
+                          id_prefix=prefix, cool_s=t.transfer_s)
         space = Space(model_id, key[1], index, SlotMemory(layout, num_slots, self.transfer))
         self.spaces[key] = space
         self._by_id_prefix[prefix] = space
@@ -184,11 +188,19 @@ class KVStore:
         self.redis.num_promoted += promoted
         return promoted
 
-    def release(self, pin_id: str) -> bool:
+    def release(self, pin_id: str, slots: Sequence[int] = (), generations: Sequence[int] = ()) -> bool:
+        """End the pin (if it has not lapsed). With slots and their generations (what
+        pin_get answered): True when every slot still holds that block (reads of it were
+        its bytes), whether or not the pin lapsed. Without: True if the pin was live."""
         try:
-            return self._space_of(pin_id).index.release(pin_id)
+            space = self._space_of(pin_id)
         except KeyError:
             return False
+        live = space.index.release(pin_id)
+        return space.index.unchanged(slots, generations) if slots else live
+
+    def generations(self, space: Space, slots: Sequence[int]) -> list[int]:
+        return [space.index.generations[s] for s in slots]
 
     def expire(self) -> None:
         for space in self.spaces.values():

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.config import POLICIES
 from services.meta_server.prefix_index import PrefixIndex
@@ -62,6 +62,7 @@ class RouteDecision:
     decode: Member
     prefill: Member | None
     num_hit_blocks: int = 0            # predicted prefix hit on the decode node
+    prefill_fallbacks: list[Member] = field(default_factory=list)  # the other prefill nodes, best first
 
     @property
     def local_prefill(self) -> bool:
@@ -100,10 +101,11 @@ class Router:
         hashes = request.block_hashes
         decode = self._pick("decode", decodes, policy, hashes)
         prefills = [m for m in usable if m.role == "prefill"]
-        prefill = None
+        ranked: list[Member] = []
         if decode.role == "decode" and prefills and not self._prefill_locally(request, prefills):
-            prefill = self._pick("prefill", prefills, policy, hashes, request.store_hit_blocks)
-        decision = RouteDecision(decode, prefill, self.index.prefix_hit(decode.node_id, hashes))
+            ranked = self._rank("prefill", prefills, policy, hashes, request.store_hit_blocks)
+        decision = RouteDecision(decode, ranked[0] if ranked else None,
+                                 self.index.prefix_hit(decode.node_id, hashes), ranked[1:])
         self._record(decision, hashes)
         return decision
 
@@ -115,12 +117,19 @@ class Router:
 
     def _pick(self, tier: str, candidates: list[Member], policy: str,
               hashes: tuple[bytes, ...], shared_hit_blocks: int = 0) -> Member:
+        return self._rank(tier, candidates, policy, hashes, shared_hit_blocks)[0]
+
+    def _rank(self, tier: str, candidates: list[Member], policy: str,
+              hashes: tuple[bytes, ...], shared_hit_blocks: int = 0) -> list[Member]:
+        """Every candidate, the policy's choice first (round_robin: the turn's node, then
+        the next ones in id order; the others: by their key)."""
         candidates = sorted(candidates, key=lambda m: m.node_id)
         if policy == "round_robin":
-            return candidates[next(self._turns[tier]) % len(candidates)]
+            turn = next(self._turns[tier]) % len(candidates)
+            return candidates[turn:] + candidates[:turn]
         if policy == "cache_aware":
-            return min(candidates, key=lambda m: (self.cost(m, hashes, shared_hit_blocks), m.node_id))
-        return min(candidates, key=lambda m: (m.load_score(), m.node_id))
+            return sorted(candidates, key=lambda m: (self.cost(m, hashes, shared_hit_blocks), m.node_id))
+        return sorted(candidates, key=lambda m: (m.load_score(), m.node_id))
 
     def cost(self, member: Member, hashes: tuple[bytes, ...], shared_hit_blocks: int = 0) -> float:
         """cache_aware cost in blocks: blocks to prefill + load penalty. shared_hit_blocks

@@ -1,13 +1,11 @@
 """MetaServer gRPC servicer: membership RPCs (taken by the embedded registry; refused
-with FAILED_PRECONDITION where nodes register in etcd) and Route (unary, or many calls
-over one RouteStream). Thin: converts messages to MetaControl calls and maps errors to
-status codes."""
+with FAILED_PRECONDITION where nodes register in etcd) and Route. Thin: converts messages
+to MetaControl calls and maps errors to status codes."""
 from __future__ import annotations
 
 import grpc
 
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
-from services.call_stream import CallContext, CallStreamServer
 from services.meta_server.control import MetaControl
 from services.meta_server.registry import RegistrationRefusedError
 from services.meta_server.router import NoNodeError, RouteRequest
@@ -69,15 +67,8 @@ class MetaServicer(meta_pb2_grpc.MetaServerServicer):
                                        local_prefill=decision.local_prefill)
         if decision.prefill is not None:
             reply.prefill.CopyFrom(decision.prefill.info)
+            reply.prefill_fallbacks.extend(m.info for m in decision.prefill_fallbacks)
         return reply
-
-    async def RouteStream(self, request_iterator, context):
-        """Route, one call per message of a long-lived stream (services/call_stream)."""
-        async def route(request):
-            reply = await self.Route(request.route, CallContext(request.timeout_s))
-            return meta_pb2.RouteStreamResponse(route=reply)
-
-        await CallStreamServer(route, meta_pb2.RouteStreamResponse).serve(request_iterator, context)
 
     async def ListMembers(self, request, context):
         return meta_pb2.ListMembersResponse(nodes=[m.info for m in self.control.live_members()])

@@ -1,18 +1,27 @@
 """Pushes a prefill's KV into the decode node's blocks chunk by chunk.
 
-    engine step computes tokens [start, end) --on_computed (step thread)--> blocks now
-    complete are handed to the event loop --> one batched write each, on the executor.
+    engine step computes tokens [start, end) --on_computed (step thread)--> the blocks now
+    complete are queued --> the event loop submits one batched write each, on the executor.
 
 Block i of the prompt is sent once it is full and computed, or at the end of the prompt
-for the last, partial block. Blocks the destination already holds (its prefix-cache hit,
-`num_cached_tokens`) are never sent. `finish` waits for every write and raises the first
-TransferError; `stop` (on cancel) stops new writes and waits for those in flight.
+for the last, partial block, of which only the prompt's token slots are written (the
+decode node writes the rest itself). Blocks the destination already holds (its
+prefix-cache hit, `num_cached_tokens`) are never sent. No write starts past the request's
+deadline, and each ends within min(timeouts.transfer_s, what remains of it).
+
+`finish` submits what is queued, waits for every write and raises the first
+TransferError; `stop` (cancel, failure) submits nothing more and waits up to transfer_s
+for the writes in flight: True when all of them ended (settled). `settle` waits for them
+however long they take (before the source blocks may be freed).
 """
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from concurrent.futures import Executor
 
+from common.transfer.base import TransferError
 from common.transfer.kv_writes import KVSender
 from common.transfer.layout import KVLayout
 
@@ -20,44 +29,83 @@ from common.transfer.layout import KVLayout
 class KVPusher:
     def __init__(self, sender: KVSender, executor: Executor, peer: str, dst_layout: KVLayout,
                  dst_block_ids: list[int], dst_num_cached_tokens: int, block_size: int,
-                 num_prompt_tokens: int):
+                 num_prompt_tokens: int, deadline: float, transfer_timeout_s: float):
         self.sender, self.executor, self.peer = sender, executor, peer
         self.dst_layout, self.dst_block_ids = dst_layout, dst_block_ids
         self.block_size = block_size
         self.num_prompt_tokens = num_prompt_tokens
+        self.deadline, self.transfer_timeout_s = deadline, transfer_timeout_s
         self.next_block = dst_num_cached_tokens // block_size
         self.loop = asyncio.get_running_loop()
         self.writes: list[asyncio.Future] = []
         self.bytes_written = 0
         self.stopped = False
+        self.error: TransferError | None = None
+        self._queued: list[tuple[list[int], list[int], int | None]] = []
+        self._lock = threading.Lock()
 
     def on_computed(self, seq, start: int, end: int) -> None:
         """Step thread: queue writes for the blocks [next_block, last complete block]."""
         num_full = end // self.block_size
-        last = num_full + 1 if end == self.num_prompt_tokens and end % self.block_size else num_full
+        partial = end == self.num_prompt_tokens and end % self.block_size
+        last = num_full + 1 if partial else num_full
         if last <= self.next_block:
             return
         blocks = range(self.next_block, last)
         src = [seq.block_ids[i] for i in blocks]
         dst = [self.dst_block_ids[i] for i in blocks]
         self.next_block = last
-        self.loop.call_soon_threadsafe(self._submit, src, dst)
+        with self._lock:
+            self._queued.append((src, dst, end % self.block_size if partial else None))
+        self.loop.call_soon_threadsafe(self._submit)
 
-    def _submit(self, src: list[int], dst: list[int]) -> None:
-        if self.stopped:
-            return
-        self.writes.append(self.loop.run_in_executor(
-            self.executor, self.sender.send_blocks, self.peer, self.dst_layout, src, dst))
+    def _submit(self) -> None:
+        """Event loop: start a write for each queued range of blocks."""
+        with self._lock:
+            queued, self._queued = self._queued, []
+        for src, dst, last_tokens in queued:
+            if self.stopped:
+                return
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                self.error = self.error or TransferError("the request's deadline passed before its KV was sent")
+                return
+            self.writes.append(self.loop.run_in_executor(
+                self.executor, lambda s=src, d=dst, t=last_tokens, r=remaining: self.sender.send_blocks(
+                    self.peer, self.dst_layout, s, d, last_block_tokens=t,
+                    timeout_s=min(self.transfer_timeout_s, r))))
 
     async def finish(self) -> int:
         """Wait until every queued write is acknowledged; returns bytes written."""
-        await asyncio.sleep(0)  # let the last call_soon_threadsafe land
+        self._submit()
         results = await asyncio.gather(*self.writes)
+        if self.error is not None:
+            raise self.error
         self.bytes_written = sum(results)
         return self.bytes_written
 
-    async def stop(self) -> None:
+    async def stop(self) -> bool:
+        """Start no more writes; wait up to transfer_s for those in flight. True when every
+        write has ended (none can land any more)."""
         self.stopped = True
-        await asyncio.sleep(0)
+        pending = [w for w in self.writes if not w.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=self.transfer_timeout_s)
+        return self.settled
+
+    @property
+    def settled(self) -> bool:
+        """Every write submitted has ended, none with ranges left in flight."""
+        for w in self.writes:
+            if not w.done():
+                return False
+            e = w.exception() if not w.cancelled() else None
+            if isinstance(e, TransferError) and e.unsettled:
+                return False
+        return True
+
+    async def settle(self) -> None:
+        """Wait for every write to end, however long (the source blocks stay held)."""
+        self.stopped = True
         if self.writes:
             await asyncio.wait(self.writes)

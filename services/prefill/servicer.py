@@ -1,17 +1,23 @@
 """Prefill servicer.
 
-Lifecycle of a Prefill RPC on this node:
+Lifecycle of a Prefill RPC on this node (the request's states: common/engine/lifecycle.py):
   validate (prompt, sampling, destination layout and block count)
+  -> max_queue requests waiting already? RESOURCE_EXHAUSTED at once (nothing written)
   -> admitted: blocks allocated, own prefix-cache hits first, then (with a kv-store) the
      store's further hits read into them (services/prefill/store_prefix.py)
   -> queued in the engine (batched with other prefills, chunked) for the rest
   -> after each chunk, its complete blocks are written into the destination (blocks
-     hit or read from the store go with the first chunk)
+     hit or read from the store go with the first chunk); no write starts past the
+     call's deadline
   -> first token sampled -> wait for every write's acknowledgement -> reply
   -> in the background: new full blocks put to the kv-store, then the blocks released
      (they stay in the prefix cache).
-CancelPrefill (or the caller cancelling) stops new writes and returns only once the
-writes in flight are done, so the decode node can reuse its blocks safely.
+Every status this node answers itself is sent after the request's writes ended and carries
+the trailing metadata `pdmesh-writes-settled`; so the decode node knows it may reuse its
+blocks. CancelPrefill (by the mesh's request id) stops new writes and answers once those in
+flight ended (settled), or after timeouts.transfer_s with some still in flight (not
+settled: the decode node keeps its blocks quarantined and asks again). The source blocks
+are released only after every write of theirs ended.
 """
 from __future__ import annotations
 
@@ -27,119 +33,134 @@ from common.transfer.base import TransferError
 from common.transfer.layout import KVLayout
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.convert import sampling_from_proto
-from services.engine_node import EngineNode
+from services.decode.remote_prefill import SETTLED_KEY
 from services.prefill.kv_push import KVPusher
 from services.prefill.store_prefix import StorePrefix
-from services.prefill.stream import serve_prefill_stream
 
 log = logging.getLogger("pdmesh.prefill")
+SETTLED = ((SETTLED_KEY, "1"),)
+MAX_UNSETTLED = 4096   # remembered requests whose writes may still land (oldest dropped)
 
 
 class PrefillServicer(engine_pb2_grpc.PrefillServicer):
-    def __init__(self, node: EngineNode):
+    def __init__(self, node):
+        """node: an EngineNode (engine, sender, executor, layout, kv_store, node, mesh)."""
         self.node = node
         self.inflight: dict[str, tuple[KVPusher, StorePrefix | None]] = {}
+        self.unsettled: dict[str, KVPusher] = {}   # ended, writes possibly in flight
         self._releases: set[asyncio.Task] = set()
 
+    def _check(self, request) -> tuple[list[int], object, KVLayout]:
+        """ValueError naming the field when the request cannot be served."""
+        engine = self.node.engine
+        prompt, dest = list(request.prompt_token_ids), request.destination
+        params = dataclasses.replace(sampling_from_proto(request.sampling), max_tokens=1, stop=[])
+        engine.validate(request.request_id, prompt, params)
+        dst_layout = KVLayout.from_proto(dest.layout)
+        self.node.layout.check_compatible(dst_layout)
+        need = -(-len(prompt) // engine.block_size)
+        if len(dest.block_ids) != need:
+            raise ValueError(f"destination.block_ids has {len(dest.block_ids)} ids; the "
+                             f"{len(prompt)}-token prompt needs {need}")
+        if not 0 <= dest.num_cached_tokens < len(prompt):
+            raise ValueError(f"destination.num_cached_tokens must be in [0, {len(prompt)}), "
+                             f"got {dest.num_cached_tokens}")
+        return prompt, params, dst_layout
+
     async def Prefill(self, request, context):
-        rid, prompt = request.request_id, list(request.prompt_token_ids)
-        dest = request.destination
-        engine = self.node.llm_engine
+        rid, dest = request.request_id, request.destination
+        engine = self.node.engine
         try:
-            params = dataclasses.replace(sampling_from_proto(request.sampling), max_tokens=1,
-                                         stop=[])
-            engine.validate_request(rid, prompt, params)
-            dst_layout = KVLayout.from_proto(dest.layout)
-            self.node.layout.check_compatible(dst_layout)
-            need = engine.block_manager.num_blocks_for(len(prompt))
-            if len(dest.block_ids) != need:
-                raise ValueError(f"destination.block_ids has {len(dest.block_ids)} ids; the "
-                                 f"{len(prompt)}-token prompt needs {need}")
-            if not 0 <= dest.num_cached_tokens < len(prompt):
-                raise ValueError(f"destination.num_cached_tokens must be in [0, {len(prompt)}), "
-                                 f"got {dest.num_cached_tokens}")
+            prompt, params, dst_layout = self._check(request)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=SETTLED)
+        if engine.num_waiting() >= self.node.node.max_queue:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"prefill node {self.node.node.node_id} has {self.node.node.max_queue} "
+                                "requests waiting", trailing_metadata=SETTLED)
+        timeouts = self.node.mesh.timeouts
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + (timeouts.prefill_s if remaining is None else remaining)
         pusher = KVPusher(self.node.sender, self.node.executor, dest.transfer_endpoint, dst_layout,
-                          list(dest.block_ids), dest.num_cached_tokens, engine.block_size, len(prompt))
+                          list(dest.block_ids), dest.num_cached_tokens, engine.block_size, len(prompt),
+                          deadline, timeouts.transfer_s)
         store = None
         if self.node.kv_store is not None:
-            store = StorePrefix(self.node.kv_store, prompt, engine.model_id, engine.layout)
+            store = StorePrefix(self.node.kv_store, prompt, engine.model_id, engine.layout_key)
         self.inflight[rid] = (pusher, store)
         start = time.perf_counter()
         finished = False
+        failure: tuple[grpc.StatusCode, str] | None = None
         try:
-            out = await self.node.engine.prefill(rid, prompt, params, on_computed=pusher.on_computed,
-                                                 external=store)
-            # aborted meanwhile (CancelPrefill): its blocks are freed; nothing to finish or put
-            cancelled = out.finish_reason == "abort" or not out.new_token_ids
-            if not cancelled:
+            out = await engine.prefill(rid, prompt, params, on_computed=pusher.on_computed, remote=store)
+            if out.finish_reason == "abort" or not out.new_token_ids:  # CancelPrefill meanwhile
+                failure = (grpc.StatusCode.CANCELLED, f"prefill of {rid} was cancelled")
+            else:
                 computed = time.perf_counter()
                 nbytes = await pusher.finish()
                 done = time.perf_counter()
                 finished = True
         except TransferError as e:
             log.warning("KV push of %s to %s failed: %s", rid, dest.transfer_endpoint, e)
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"KV transfer to {dest.node_id} ({dest.transfer_endpoint}) failed: {e}")
+            failure = (grpc.StatusCode.UNAVAILABLE, f"KV transfer to {dest.node_id} failed: {e}")
+        except EngineDeadError as e:
+            failure = (grpc.StatusCode.UNAVAILABLE, f"prefill node engine failed: {e}")
         finally:
-            if not finished:
-                await asyncio.shield(pusher.stop())
             self.inflight.pop(rid, None)
-            self._release_later(rid, store, finished)
-        if not finished:
-            await context.abort(grpc.StatusCode.CANCELLED, f"prefill of {rid} was cancelled")
-        timing = common_pb2.PrefillTiming(remote=True, 
-            queue_ms=out.queue_s * 1e3, compute_ms=(computed - start - out.queue_s) * 1e3,
+            if not finished:  # until its writes ended, CancelPrefill answers from this record
+                self._remember_unsettled(rid, pusher)
+                stopping = asyncio.ensure_future(pusher.stop())
+            self._release_later(rid, store, pusher, finished)
+        if failure is not None:
+            settled = await stopping
+            await context.abort(*failure, trailing_metadata=SETTLED if settled else ())
+        timing = common_pb2.PrefillTiming(
+            remote=True, queue_ms=out.queue_s * 1e3, compute_ms=(computed - start - out.queue_s) * 1e3,
             transfer_ms=(done - computed) * 1e3)
         return engine_pb2.PrefillResponse(first_token_id=out.new_token_ids[0],
                                           num_cached_tokens=out.num_cached_tokens,
                                           timing=timing, bytes_written=nbytes)
 
-    def _release_later(self, request_id: str, store: StorePrefix | None, finished: bool) -> None:
-        """Off the reply's critical path: put the blocks to the kv-store (when the prefill
-        finished), then free them. The task is kept referenced until it is done."""
-        task = asyncio.get_running_loop().create_task(self._put_and_release(request_id, store, finished))
+    def _remember_unsettled(self, request_id: str, pusher: KVPusher) -> None:
+        self.unsettled[request_id] = pusher
+        while len(self.unsettled) > MAX_UNSETTLED:
+            self.unsettled.pop(next(iter(self.unsettled)))
+
+    def _release_later(self, request_id: str, store: StorePrefix | None, pusher: KVPusher,
+                       finished: bool) -> None:
+        """Off the reply's critical path: once every write ended, put the blocks to the
+        kv-store (when the prefill finished), then free them. Kept referenced until done."""
+        task = asyncio.get_running_loop().create_task(self._put_and_release(request_id, store, pusher, finished))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    async def _put_and_release(self, request_id: str, store: StorePrefix | None, finished: bool) -> None:
+    async def _put_and_release(self, request_id: str, store: StorePrefix | None, pusher: KVPusher,
+                               finished: bool) -> None:
         try:
+            await pusher.settle()  # the writes read these blocks: none may be reused before
             if store is not None:
                 await store.finish(put=finished)
         finally:
+            if pusher.settled and self.unsettled.get(request_id) is pusher:
+                del self.unsettled[request_id]
             try:
                 await self.node.engine.release(request_id)
             except EngineDeadError:
                 pass  # shutting down: the blocks go with the engine
 
     async def CancelPrefill(self, request, context):
-        entry = self.inflight.get(request.request_id)
+        rid = request.request_id
+        entry = self.inflight.get(rid)
         if entry is None:
-            return engine_pb2.CancelPrefillResponse(was_running=False)
+            pusher = self.unsettled.get(rid)
+            settled = pusher is None or await pusher.stop()
+            return engine_pb2.CancelPrefillResponse(was_running=False, settled=settled)
         pusher, store = entry
-        await pusher.stop()
+        settled = await pusher.stop()
         if store is not None:
             await store.cancel()  # no store read may land in blocks the abort frees
-        await self.node.engine.abort(request.request_id)
-        return engine_pb2.CancelPrefillResponse(was_running=True)
-
-    async def stop_writes(self, request_id: str) -> bool:
-        """Stop a running prefill's KV writes (and kv-store reads) and return once none
-        can land any more; the prefill itself goes on until its caller cancels it. False
-        if it is not running."""
-        entry = self.inflight.get(request_id)
-        if entry is None:
-            return False
-        pusher, store = entry
-        await pusher.stop()
-        if store is not None:
-            await store.cancel()
-        return True
-
-    async def PrefillStream(self, request_iterator, context):
-        """Prefill and CancelPrefill calls of one decode node over one stream."""
-        await serve_prefill_stream(self, request_iterator, context)
+        await self.node.engine.abort(rid)
+        return engine_pb2.CancelPrefillResponse(was_running=True, settled=settled)
 
     async def GetEngineStats(self, request, context):
-        return self.node.engine_stats(pending_transfers=len(self.inflight))
+        return await self.node.engine_stats(pending_transfers=len(self.inflight))

@@ -1,21 +1,24 @@
-"""One prefill request's use of the kv-store (the ExternalKV of AsyncEngine.prefill).
+"""One prefill request's use of the kv-store (the RemoteKV of AsyncEngine.prefill).
 
     StorePrefix(...)     PinGet of the prompt's block chain starts at once, in parallel
                          with the engine admitting the request
-    load(block_ids, n)   engine admitted it with n tokens hit in its own prefix cache:
+    fill(block_ids, n)   engine admitted it with n tokens hit in its own prefix cache:
                          read the store's pinned blocks past those into block_ids, release
-                         the pin; returns the tokens that now hold KV
+                         the pin (a read that outlived its pin is a miss); returns the
+                         tokens that now hold KV
     (engine computes the rest; the KV push to decode sends every block alike)
     finish(put=True)     after the reply: write the blocks the store did not provide
                          (ReservePut skips those it holds), then the caller frees them
 
 At least one prompt token is always left to compute (its logits give the first token).
-Any store failure is a miss (KVStoreClient); cancel() returns once no read can land.
+Any store failure is a miss (KVStoreClient), so fill never raises; cancel() returns True
+once no read can land (reads end within timeouts.transfer_s).
 """
 from __future__ import annotations
 
 import asyncio
 
+from common.engine.async_engine import KVFilled
 from common.hashing import hash_block_chain
 from services.kv_store.client import KVStoreClient
 
@@ -35,32 +38,41 @@ class StorePrefix:
         self._cancelled = False
         self._loading = False
 
-    async def load(self, block_ids: list[int], num_cached_tokens: int) -> int:
+    async def fill(self, block_ids: list[int], num_cached_tokens: int) -> KVFilled:
         self._loading = True
         self.block_ids = block_ids
         first = num_cached_tokens // self.block_size
         self.num_cached_blocks = first
         pinned = await self._pin
         if pinned is None:
-            return num_cached_tokens
+            return KVFilled(num_cached_tokens)
+        released = False
         try:
             last = len(pinned.slot_ids)
             if last <= first or self._cancelled:
-                return num_cached_tokens
+                return KVFilled(num_cached_tokens)
             self._reading = asyncio.ensure_future(
                 self.client.fetch(pinned, first, last, block_ids[first:last]))
             if not await self._reading:
-                return num_cached_tokens
+                return KVFilled(num_cached_tokens)
+            released = True
+            if not await self.client.release(pinned):  # the slots changed during the read
+                return KVFilled(num_cached_tokens)
         finally:
-            asyncio.get_running_loop().create_task(self.client.release(pinned.pin_id))
+            if not released:
+                asyncio.get_running_loop().create_task(self.client.release(pinned))
         self.num_loaded_blocks = last - first
         self.num_cached_blocks = last
-        return last * self.block_size
+        return KVFilled(last * self.block_size)
 
-    async def cancel(self) -> None:
+    async def cancel(self) -> bool:
         self._cancelled = True
         if self._reading is not None:
             await asyncio.wait([self._reading])
+        return True
+
+    async def settled(self) -> None:
+        return None  # cancel() always confirms
 
     async def finish(self, put: bool) -> int:
         """After the request: put the full blocks this node computed when `put` (returns how
@@ -68,7 +80,7 @@ class StorePrefix:
         if not self._loading:
             pinned = await self._pin
             if pinned is not None:
-                await self.client.release(pinned.pin_id)
+                await self.client.release(pinned)
             return 0
         if not put or not self.block_ids:
             return 0

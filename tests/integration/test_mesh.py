@@ -66,21 +66,45 @@ def assert_matches_offline(results, expected):
 
 
 def assert_no_blocks_in_use(mesh, timeout_s: float = 5.0):
+    """Every engine node ends with no block used or quarantined and no request in flight."""
     deadline = time.monotonic() + timeout_s
     for svc in mesh.services.values():
         if svc.role not in ("prefill", "decode", "both") or svc.process.poll() is not None:
             continue
         while True:
             stats = engine_stats(svc.address, svc.role)
-            if stats.used_blocks == 0 and stats.running == 0 and stats.waiting == 0:
+            if (stats.used_blocks, stats.quarantined_blocks, stats.running, stats.waiting,
+                    stats.kv_remote, stats.held) == (0, 0, 0, 0, 0, 0):
                 break
             assert time.monotonic() < deadline, f"{svc.name} still holds blocks: {stats}"
             time.sleep(0.05)
 
 
-def test_disaggregated_mooncake_matches_offline(pd_mesh, expected):
+def kv_bytes(model_dir, num_tokens: int) -> int:
+    """Bytes of KV a push of num_tokens prompt tokens writes (K and V, every layer; the
+    partial last block only up to the prompt's end)."""
+    from common.model.config import load_model_config
+    cfg = load_model_config(str(model_dir))
+    return num_tokens * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4   # float32
+
+
+def assert_ran_remotely(mesh, model_dir, results, prompts, written_before: int) -> None:
+    """Every request was prefilled by the prefill node, and its transfer engine wrote
+    exactly the prompts' KV into the decode node (no prefix hit there: random prompts)."""
+    assert all(msgs[0].prefill_timing.remote for _, _, msgs in results)
+    prefill = engine_stats(mesh.services["prefill-0"].address, "prefill")
+    assert prefill.transfer_bytes_written - written_before == sum(kv_bytes(model_dir, len(p)) for p in prompts)
+
+
+def bytes_written(mesh) -> int:
+    return engine_stats(mesh.services["prefill-0"].address, "prefill").transfer_bytes_written
+
+
+def test_disaggregated_mooncake_matches_offline(pd_mesh, model, expected):
+    before = bytes_written(pd_mesh)
     results = asyncio.run(run_concurrently(pd_mesh.gateway_address))
     assert_matches_offline(results, expected)
+    assert_ran_remotely(pd_mesh, model, results, mixed_prompts(), before)
     prefill = engine_stats(pd_mesh.services["prefill-0"].address, "prefill")
     assert prefill.prefix_hit_tokens >= 0 and prefill.total_blocks == ENGINE["num_blocks"]
     assert_no_blocks_in_use(pd_mesh)
@@ -95,11 +119,15 @@ def test_other_topologies_match_offline(variant, model, start_mesh, expected):
     else:
         mesh = start_mesh(model, local_prefill_max_tokens=10**6)
     try:
+        before = bytes_written(mesh) if variant != "both-node" else 0
         results = asyncio.run(run_concurrently(mesh.gateway_address))
         assert_matches_offline(results, expected)
         assert_no_blocks_in_use(mesh)
-        if variant == "local-prefill":
-            assert engine_stats(mesh.services["prefill-0"].address, "prefill").prefix_hit_tokens == 0
+        if variant == "grpc-transfer":
+            assert_ran_remotely(mesh, model, results, mixed_prompts(), before)
+        elif variant == "local-prefill":
+            assert not any(msgs[0].prefill_timing.remote for _, _, msgs in results)
+            assert bytes_written(mesh) == before
     finally:
         mesh.stop()
 

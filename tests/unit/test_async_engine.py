@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from common.engine import AsyncEngine, SamplingParams
-from common.engine.async_engine import EngineDeadError
+from common.engine.async_engine import EngineDeadError, KVFilled
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PROMPT = list(range(3, 43))   # 40 tokens: 3 blocks of 16
@@ -73,7 +73,7 @@ class FakeRemote:
         self.started = asyncio.Event()
         self.stop = asyncio.Event()
 
-    async def run(self, block_ids, num_cached_tokens):
+    async def fill(self, block_ids, num_cached_tokens):
         self.events.append(("run", list(block_ids), num_cached_tokens, self.llm.engine.num_used_blocks))
         self.started.set()
         if self.wait:
@@ -81,13 +81,17 @@ class FakeRemote:
             raise asyncio.CancelledError()
         if self.first_token is None:
             raise RuntimeError("prefill node unreachable")
-        return self.first_token
+        return KVFilled(len(PROMPT), self.first_token)
 
     async def cancel(self):
         self.events.append(("cancel", self.llm.engine.num_used_blocks))
         await asyncio.sleep(0.05)
         self.events.append("writes stopped")
         self.stop.set()
+        return True
+
+    async def settled(self):
+        return None
 
 
 def test_remote_prefill_starts_without_waiting_for_a_step(llm, monkeypatch):

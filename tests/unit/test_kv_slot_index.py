@@ -94,17 +94,35 @@ def test_pin_stops_at_token_mismatch(clock):
     assert index.pin([h(0), h(1)], [toks(0), (9, 9)])[1] == [0]
 
 
-def test_uncommitted_reservation_expires_and_frees_its_slots(clock):
-    index = SlotIndex(4, reserve_ttl_s=30, clock=clock)
+def test_uncommitted_reservation_expires_and_its_slots_cool_before_reuse(clock):
+    index = SlotIndex(4, reserve_ttl_s=30, clock=clock, cool_s=5)
     put_id, placed, _ = index.reserve([h(1), h(2)], [toks(1), toks(2)])
     clock.now += 29.9
     assert index.expire() == (0, 0)
     clock.now += 0.2
     assert index.expire() == (1, 0)
-    assert index.num_used == 0 and index.num_expired_reservations == 1
+    assert index.num_expired_reservations == 1
     with pytest.raises(KeyError):
         index.commit(put_id)
-    assert index.reserve([h(1)], [toks(1)])[1] == [(0, 0)]
+    # a writer that outlived the lease may still land in slots 0 and 1: not handed out yet
+    assert index.num_used == 2 and index.reserve([h(1)], [toks(1)])[1] == [(0, 2)]
+    clock.now += 5
+    index.expire()
+    assert index.num_used == 1 and index.reserve([h(3)], [toks(3)])[1] == [(0, 0)]
+
+
+def test_generations_tell_a_read_that_overlapped_a_reuse(clock):
+    index = SlotIndex(1, high_watermark=1.0, low_watermark=1.0, pin_ttl_s=10, clock=clock)
+    put_id, placed, _ = index.reserve([h(1)], [toks(1)])
+    index.commit(put_id)
+    pin_id, slots = index.pin([h(1)], [toks(1)])
+    gens = [index.generations[s] for s in slots]
+    assert index.unchanged(slots, gens)
+    clock.now += 11
+    index.expire()                                   # the pin lapsed: slot 0 is evictable
+    assert index.unchanged(slots, gens)              # still the same block: the read is good
+    index.commit(index.reserve([h(2)], [toks(2)])[0])  # evicts h(1), slot 0 gets h(2)
+    assert not index.unchanged(slots, gens)
 
 
 def test_pin_lease_ends_and_block_becomes_evictable(clock):

@@ -15,7 +15,7 @@ import torch
 
 from common.engine import AsyncEngine
 from common.engine.llm_engine import LLMEngine
-from common.config import EngineConfig
+from common.config import EngineConfig, NodeConfig, TimeoutConfig
 from common.transfer.fake import FakeTransfer
 from common.transfer.kv_writes import KVSender
 from common.transfer.layout import KVLayout
@@ -30,8 +30,9 @@ def test_unary_cancel_of_a_queued_prefill_ends_it_cancelled(tiny_model):
     src.register(engine.kv_cache.data_ptr(), engine.kv_cache.numel() * engine.kv_cache.element_size())
     dest_kv = torch.zeros_like(engine.kv_cache)
     dst.register(dest_kv.data_ptr(), dest_kv.numel() * dest_kv.element_size())
-    node = SimpleNamespace(llm_engine=engine, engine=AsyncEngine(engine), sender=KVSender(src, layout),
-                           executor=ThreadPoolExecutor(2), kv_store=None, layout=layout)
+    node = SimpleNamespace(engine=AsyncEngine(engine), sender=KVSender(src, layout),
+                           executor=ThreadPoolExecutor(2), kv_store=None, layout=layout,
+                           node=NodeConfig("prefill", "prefill-0"), mesh=SimpleNamespace(timeouts=TimeoutConfig()))
     servicer = PrefillServicer(node)
     prompt = list(range(3, 67))
 

@@ -3,7 +3,8 @@ Driven without a model: `advance` plays the model's part of a step."""
 from common.engine.block_manager import BlockManager
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
-from common.engine.sequence import Sequence, SequenceStatus
+from common.engine.lifecycle import RequestState
+from common.engine.sequence import Sequence
 
 
 def seq(rid, n, arrival=0, first=1):
@@ -47,7 +48,7 @@ def test_chunked_prefill_respects_budget_and_puts_decodes_first():
         (["a", "b"], []),
     ]
     for s in (a, b):
-        sched.finish(s, SequenceStatus.FINISHED_LENGTH)
+        sched.finish(s, "length")
     assert bm.num_used_blocks == 0
 
 
@@ -60,11 +61,11 @@ def test_seat_limit_admits_in_fifo_order():
     out = sched.schedule()
     assert plan(out) == ([], [("s0", 5), ("s1", 5)])
     advance(sched, bm, out)
-    sched.finish(seqs[0], SequenceStatus.FINISHED_STOPPED)
+    sched.finish(seqs[0], "stop")
     out = sched.schedule()
     assert plan(out) == (["s1"], [("s2", 5)])
     for s in seqs[1:]:
-        sched.finish(s, SequenceStatus.FINISHED_STOPPED)
+        sched.finish(s, "stop")
     assert bm.num_used_blocks == 0
 
 
@@ -80,15 +81,15 @@ def test_preemption_frees_newest_and_recomputes_it_later():
     out = sched.schedule()
     assert out.preempted == [b]
     assert plan(out) == (["a"], [])
-    assert b.status == SequenceStatus.WAITING and b.block_ids == [] and b.num_computed_tokens == 0
+    assert b.state == RequestState.WAITING and b.block_ids == [] and b.num_computed_tokens == 0
     assert a.block_ids == [0, 1, 3]       # b's blocks were freed tail first: 3 then 2
     advance(sched, bm, out)
-    sched.finish(a, SequenceStatus.FINISHED_LENGTH)
+    sched.finish(a, "length")
     out = sched.schedule()                # b is recomputed: prompt + its generated token,
     assert plan(out) == ([], [("b", 5)])  # less its first block, still in the prefix cache
     assert b.block_ids[0] == 2
     assert b.num_preemptions == 1
-    sched.finish(b, SequenceStatus.FINISHED_LENGTH)
+    sched.finish(b, "length")
     assert bm.num_used_blocks == 0
 
 
@@ -98,11 +99,11 @@ def test_prefix_hits_are_counted_once_at_first_admission():
     a = seq("a", 9)
     sched.add(a)
     advance(sched, bm, sched.schedule())
-    sched.finish(a, SequenceStatus.FINISHED_STOPPED)
+    sched.finish(a, "stop")
     b = seq("b", 9, 1)
     sched.add(b)
     out = sched.schedule()
     assert plan(out) == ([], [("b", 1)]) or plan(out) == (["b"], [])
     assert b.num_cached_tokens == 8
-    sched.finish(b, SequenceStatus.FINISHED_STOPPED)
+    sched.finish(b, "stop")
     assert bm.num_used_blocks == 0

@@ -8,42 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill", "client_request_id", "prefill_fallbacks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     prefill: _common_pb2.NodeInfo
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ...) -> None: ...
-
-class GenerateStreamRequest(_message.Message):
-    __slots__ = ("call_id", "timeout_s", "generate", "cancel")
-    CALL_ID_FIELD_NUMBER: _ClassVar[int]
-    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
-    GENERATE_FIELD_NUMBER: _ClassVar[int]
-    CANCEL_FIELD_NUMBER: _ClassVar[int]
-    call_id: int
-    timeout_s: float
-    generate: DecodeRequest
-    cancel: bool
-    def __init__(self, call_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., generate: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[bool] = ...) -> None: ...
-
-class GenerateStreamResponse(_message.Message):
-    __slots__ = ("call_id", "end", "code", "message", "response")
-    CALL_ID_FIELD_NUMBER: _ClassVar[int]
-    END_FIELD_NUMBER: _ClassVar[int]
-    CODE_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    RESPONSE_FIELD_NUMBER: _ClassVar[int]
-    call_id: int
-    end: bool
-    code: int
-    message: str
-    response: DecodeResponse
-    def __init__(self, call_id: _Optional[int] = ..., end: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[_Union[DecodeResponse, _Mapping]] = ...) -> None: ...
+    client_request_id: str
+    prefill_fallbacks: _containers.RepeatedCompositeFieldContainer[_common_pb2.NodeInfo]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ..., client_request_id: _Optional[str] = ..., prefill_fallbacks: _Optional[_Iterable[_Union[_common_pb2.NodeInfo, _Mapping]]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "usage", "prefill_timing")
@@ -102,43 +80,19 @@ class CancelPrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class CancelPrefillResponse(_message.Message):
-    __slots__ = ("was_running",)
+    __slots__ = ("was_running", "settled")
     WAS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
     was_running: bool
-    def __init__(self, was_running: _Optional[bool] = ...) -> None: ...
-
-class PrefillStreamRequest(_message.Message):
-    __slots__ = ("call_id", "timeout_s", "prefill", "cancel_call_id")
-    CALL_ID_FIELD_NUMBER: _ClassVar[int]
-    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_FIELD_NUMBER: _ClassVar[int]
-    CANCEL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
-    call_id: int
-    timeout_s: float
-    prefill: PrefillRequest
-    cancel_call_id: int
-    def __init__(self, call_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., cancel_call_id: _Optional[int] = ...) -> None: ...
-
-class PrefillStreamResponse(_message.Message):
-    __slots__ = ("call_id", "code", "message", "prefill", "cancel")
-    CALL_ID_FIELD_NUMBER: _ClassVar[int]
-    CODE_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_FIELD_NUMBER: _ClassVar[int]
-    CANCEL_FIELD_NUMBER: _ClassVar[int]
-    call_id: int
-    code: int
-    message: str
-    prefill: PrefillResponse
-    cancel: CancelPrefillResponse
-    def __init__(self, call_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., cancel: _Optional[_Union[CancelPrefillResponse, _Mapping]] = ...) -> None: ...
+    settled: bool
+    def __init__(self, was_running: _Optional[bool] = ..., settled: _Optional[bool] = ...) -> None: ...
 
 class EngineStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("node_id", "running", "waiting", "used_blocks", "free_blocks", "total_blocks", "pending_transfers", "prefix_hit_tokens")
+    __slots__ = ("node_id", "running", "waiting", "used_blocks", "free_blocks", "total_blocks", "pending_transfers", "prefix_hit_tokens", "preemptions", "quarantined_blocks", "kv_remote", "transfer_bytes_written", "transfer_bytes_read", "held")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +101,12 @@ class EngineStats(_message.Message):
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PENDING_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_REMOTE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     running: int
     waiting: int
@@ -155,4 +115,10 @@ class EngineStats(_message.Message):
     total_blocks: int
     pending_transfers: int
     prefix_hit_tokens: int
-    def __init__(self, node_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., pending_transfers: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
+    preemptions: int
+    quarantined_blocks: int
+    kv_remote: int
+    transfer_bytes_written: int
+    transfer_bytes_read: int
+    held: int
+    def __init__(self, node_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., pending_transfers: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., quarantined_blocks: _Optional[int] = ..., kv_remote: _Optional[int] = ..., transfer_bytes_written: _Optional[int] = ..., transfer_bytes_read: _Optional[int] = ..., held: _Optional[int] = ...) -> None: ...

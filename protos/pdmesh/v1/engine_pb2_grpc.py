@@ -40,11 +40,6 @@ class DecodeStub:
                 request_serializer=pdmesh_dot_v1_dot_engine__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdmesh_dot_v1_dot_engine__pb2.DecodeResponse.FromString,
                 _registered_method=True)
-        self.GenerateStream = channel.stream_stream(
-                '/pdmesh.v1.Decode/GenerateStream',
-                request_serializer=pdmesh_dot_v1_dot_engine__pb2.GenerateStreamRequest.SerializeToString,
-                response_deserializer=pdmesh_dot_v1_dot_engine__pb2.GenerateStreamResponse.FromString,
-                _registered_method=True)
         self.GetEngineStats = channel.unary_unary(
                 '/pdmesh.v1.Decode/GetEngineStats',
                 request_serializer=pdmesh_dot_v1_dot_engine__pb2.EngineStatsRequest.SerializeToString,
@@ -57,17 +52,10 @@ class DecodeServicer:
     """
 
     def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GenerateStream(self, request_iterator, context):
-        """Generate calls of one gateway over one long-lived stream (services/call_stream):
-        each call's DecodeResponses in order, the last with end set (on the message with
-        finish_reason, or a bare end carrying the status Generate would end with). The
-        gateway leaves a call with a cancel request, which aborts it as cancelling Generate
-        does; when the stream ends (the gateway went away), its calls are aborted too.
+        """One request attempt: tokens as they are generated, the last message with
+        finish_reason and usage. Cancelling the call aborts the request and frees its blocks
+        (after a remote prefill's writes are known to have stopped). The call's deadline is
+        the request's remaining time.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -86,11 +74,6 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=pdmesh_dot_v1_dot_engine__pb2.DecodeRequest.FromString,
                     response_serializer=pdmesh_dot_v1_dot_engine__pb2.DecodeResponse.SerializeToString,
-            ),
-            'GenerateStream': grpc.stream_stream_rpc_method_handler(
-                    servicer.GenerateStream,
-                    request_deserializer=pdmesh_dot_v1_dot_engine__pb2.GenerateStreamRequest.FromString,
-                    response_serializer=pdmesh_dot_v1_dot_engine__pb2.GenerateStreamResponse.SerializeToString,
             ),
             'GetEngineStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetEngineStats,
@@ -126,33 +109,6 @@ class Decode:
             '/pdmesh.v1.Decode/Generate',
             pdmesh_dot_v1_dot_engine__pb2.DecodeRequest.SerializeToString,
             pdmesh_dot_v1_dot_engine__pb2.DecodeResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GenerateStream(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/pdmesh.v1.Decode/GenerateStream',
-            pdmesh_dot_v1_dot_engine__pb2.GenerateStreamRequest.SerializeToString,
-            pdmesh_dot_v1_dot_engine__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -210,11 +166,6 @@ class PrefillStub:
                 request_serializer=pdmesh_dot_v1_dot_engine__pb2.CancelPrefillRequest.SerializeToString,
                 response_deserializer=pdmesh_dot_v1_dot_engine__pb2.CancelPrefillResponse.FromString,
                 _registered_method=True)
-        self.PrefillStream = channel.stream_stream(
-                '/pdmesh.v1.Prefill/PrefillStream',
-                request_serializer=pdmesh_dot_v1_dot_engine__pb2.PrefillStreamRequest.SerializeToString,
-                response_deserializer=pdmesh_dot_v1_dot_engine__pb2.PrefillStreamResponse.FromString,
-                _registered_method=True)
         self.GetEngineStats = channel.unary_unary(
                 '/pdmesh.v1.Prefill/GetEngineStats',
                 request_serializer=pdmesh_dot_v1_dot_engine__pb2.EngineStatsRequest.SerializeToString,
@@ -227,26 +178,19 @@ class PrefillServicer:
 
     def Prefill(self, request, context):
         """Computes the prompt's KV, writes it into the destination blocks one-sided, samples
-        the first token. Replies only after every write is acknowledged.
+        the first token. Replies only after every write is acknowledged. Past max_queue
+        waiting requests: RESOURCE_EXHAUSTED at once, before any write. No write starts past
+        the call's deadline. Any status the prefill node itself answers is sent after every
+        write of the request has ended.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def CancelPrefill(self, request, context):
-        """Stops a prefill's writes; returns once none of them can land any more, so the
-        decode node may reuse the destination blocks.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PrefillStream(self, request_iterator, context):
-        """Prefill and its cancel over one long-lived stream per decode node
-        (services/call_stream): each request, a prefill or the cancel of one, is answered
-        once with the status the unary RPC would end with. A cancelled prefill is answered
-        CANCELLED before its cancel is, and none of its writes can land after that. When
-        the stream ends (the decode node went away), its running prefills stop the same way.
+        """Stops a prefill's writes and answers once they have ended (settled), or once
+        timeouts.transfer_s passed with some still in flight (settled false: ask again).
+        A request id the node does not know, or has finished, is settled.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -270,11 +214,6 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.CancelPrefill,
                     request_deserializer=pdmesh_dot_v1_dot_engine__pb2.CancelPrefillRequest.FromString,
                     response_serializer=pdmesh_dot_v1_dot_engine__pb2.CancelPrefillResponse.SerializeToString,
-            ),
-            'PrefillStream': grpc.stream_stream_rpc_method_handler(
-                    servicer.PrefillStream,
-                    request_deserializer=pdmesh_dot_v1_dot_engine__pb2.PrefillStreamRequest.FromString,
-                    response_serializer=pdmesh_dot_v1_dot_engine__pb2.PrefillStreamResponse.SerializeToString,
             ),
             'GetEngineStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetEngineStats,
@@ -336,33 +275,6 @@ class Prefill:
             '/pdmesh.v1.Prefill/CancelPrefill',
             pdmesh_dot_v1_dot_engine__pb2.CancelPrefillRequest.SerializeToString,
             pdmesh_dot_v1_dot_engine__pb2.CancelPrefillResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PrefillStream(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/pdmesh.v1.Prefill/PrefillStream',
-            pdmesh_dot_v1_dot_engine__pb2.PrefillStreamRequest.SerializeToString,
-            pdmesh_dot_v1_dot_engine__pb2.PrefillStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -88,28 +88,36 @@ class PinGetRequest(_message.Message):
     def __init__(self, space: _Optional[_Union[KeySpace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PinGetResponse(_message.Message):
-    __slots__ = ("pin_id", "slot_ids", "region", "lease_seconds", "num_promoted")
+    __slots__ = ("pin_id", "slot_ids", "region", "lease_seconds", "num_promoted", "generations")
     PIN_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_IDS_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMOTED_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     pin_id: str
     slot_ids: _containers.RepeatedScalarFieldContainer[int]
     region: StoreRegion
     lease_seconds: float
     num_promoted: int
-    def __init__(self, pin_id: _Optional[str] = ..., slot_ids: _Optional[_Iterable[int]] = ..., region: _Optional[_Union[StoreRegion, _Mapping]] = ..., lease_seconds: _Optional[float] = ..., num_promoted: _Optional[int] = ...) -> None: ...
+    generations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pin_id: _Optional[str] = ..., slot_ids: _Optional[_Iterable[int]] = ..., region: _Optional[_Union[StoreRegion, _Mapping]] = ..., lease_seconds: _Optional[float] = ..., num_promoted: _Optional[int] = ..., generations: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("pin_id",)
+    __slots__ = ("pin_id", "slot_ids", "generations")
     PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_IDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     pin_id: str
-    def __init__(self, pin_id: _Optional[str] = ...) -> None: ...
+    slot_ids: _containers.RepeatedScalarFieldContainer[int]
+    generations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pin_id: _Optional[str] = ..., slot_ids: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("valid",)
+    VALID_FIELD_NUMBER: _ClassVar[int]
+    valid: bool
+    def __init__(self, valid: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -58,36 +58,16 @@ class RouteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., exclude_node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("decode", "prefill", "local_prefill")
+    __slots__ = ("decode", "prefill", "local_prefill", "prefill_fallbacks")
     DECODE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     decode: _common_pb2.NodeInfo
     prefill: _common_pb2.NodeInfo
     local_prefill: bool
-    def __init__(self, decode: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
-
-class RouteStreamRequest(_message.Message):
-    __slots__ = ("call_id", "timeout_s", "route")
-    CALL_ID_FIELD_NUMBER: _ClassVar[int]
-    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
-    ROUTE_FIELD_NUMBER: _ClassVar[int]
-    call_id: int
-    timeout_s: float
-    route: RouteRequest
-    def __init__(self, call_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., route: _Optional[_Union[RouteRequest, _Mapping]] = ...) -> None: ...
-
-class RouteStreamResponse(_message.Message):
-    __slots__ = ("call_id", "code", "message", "route")
-    CALL_ID_FIELD_NUMBER: _ClassVar[int]
-    CODE_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    ROUTE_FIELD_NUMBER: _ClassVar[int]
-    call_id: int
-    code: int
-    message: str
-    route: RouteResponse
-    def __init__(self, call_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., route: _Optional[_Union[RouteResponse, _Mapping]] = ...) -> None: ...
+    prefill_fallbacks: _containers.RepeatedCompositeFieldContainer[_common_pb2.NodeInfo]
+    def __init__(self, decode: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., prefill_fallbacks: _Optional[_Iterable[_Union[_common_pb2.NodeInfo, _Mapping]]] = ...) -> None: ...
 
 class ListMembersRequest(_message.Message):
     __slots__ = ()

@@ -55,11 +55,6 @@ class MetaServerStub:
                 request_serializer=pdmesh_dot_v1_dot_meta__pb2.RouteRequest.SerializeToString,
                 response_deserializer=pdmesh_dot_v1_dot_meta__pb2.RouteResponse.FromString,
                 _registered_method=True)
-        self.RouteStream = channel.stream_stream(
-                '/pdmesh.v1.MetaServer/RouteStream',
-                request_serializer=pdmesh_dot_v1_dot_meta__pb2.RouteStreamRequest.SerializeToString,
-                response_deserializer=pdmesh_dot_v1_dot_meta__pb2.RouteStreamResponse.FromString,
-                _registered_method=True)
         self.ListMembers = channel.unary_unary(
                 '/pdmesh.v1.MetaServer/ListMembers',
                 request_serializer=pdmesh_dot_v1_dot_meta__pb2.ListMembersRequest.SerializeToString,
@@ -97,15 +92,6 @@ class MetaServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def RouteStream(self, request_iterator, context):
-        """Route over one long-lived stream (services/call_stream): each request is answered
-        by one response of the same call_id, carrying the status the unary Route would end
-        with (a standby answers FAILED_PRECONDITION per call). Saves a unary call's setup.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def ListMembers(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -134,11 +120,6 @@ def add_MetaServerServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=pdmesh_dot_v1_dot_meta__pb2.RouteRequest.FromString,
                     response_serializer=pdmesh_dot_v1_dot_meta__pb2.RouteResponse.SerializeToString,
-            ),
-            'RouteStream': grpc.stream_stream_rpc_method_handler(
-                    servicer.RouteStream,
-                    request_deserializer=pdmesh_dot_v1_dot_meta__pb2.RouteStreamRequest.FromString,
-                    response_serializer=pdmesh_dot_v1_dot_meta__pb2.RouteStreamResponse.SerializeToString,
             ),
             'ListMembers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListMembers,
@@ -255,33 +236,6 @@ class MetaServer:
             '/pdmesh.v1.MetaServer/Route',
             pdmesh_dot_v1_dot_meta__pb2.RouteRequest.SerializeToString,
             pdmesh_dot_v1_dot_meta__pb2.RouteResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def RouteStream(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/pdmesh.v1.MetaServer/RouteStream',
-            pdmesh_dot_v1_dot_meta__pb2.RouteStreamRequest.SerializeToString,
-            pdmesh_dot_v1_dot_meta__pb2.RouteStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,8 +1,8 @@
-"""RouteStream and the gateway's MetaClient.route (in-process meta-servers on port 0,
-real gRPC): the same decisions and status codes as the unary Route, per call on one
-stream; following the leader (a standby answers FAILED_PRECONDITION per call, a dead
-leader's stream fails over to the next meta-server), reconnecting to a restarted
-meta-server, and the unary fallback for a meta-server without RouteStream."""
+"""The gateway's MetaClient.route (in-process meta-servers on port 0, real gRPC): the
+meta-server's decisions and status codes, per call on one channel (concurrent calls,
+an error does not touch the others); following the leader (a standby answers
+FAILED_PRECONDITION, a dead leader's calls fail over to the next meta-server), and
+reconnecting to a restarted meta-server."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +14,6 @@ from common.config import MetaConfig
 from protos.pdmesh.v1 import common_pb2, meta_pb2, meta_pb2_grpc
 from services.gateway.meta_client import MetaClient
 from services.meta_server.server import create_server
-from services.meta_server.servicer import MetaServicer
 
 
 class FakeElection:
@@ -30,8 +29,8 @@ def node(node_id: str, role: str) -> common_pb2.NodeInfo:
                                kv_layout=common_pb2.KVLayout(block_size=16, num_blocks=64))
 
 
-async def start_meta(port: int = 0, leading: bool | None = None, nodes=(("p0", "prefill"), ("d0", "decode"),
-                                                                       ("d1", "decode"))):
+async def start_meta(port: int = 0, leading: bool | None = None,
+                     nodes=(("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode"))):
     """A meta-server with these nodes registered; leading None: no election."""
     server, port = await create_server(MetaConfig(port=0, ttl_seconds=60.0), port=port)
     if leading is not None:
@@ -50,22 +49,22 @@ async def stop(server) -> None:
     await server.close_extras()
 
 
-def test_route_stream_answers_as_route_does():
+def test_route_answers_with_the_routers_decisions_and_fallbacks():
     async def main():
         server, address = await start_meta()
         client = MetaClient([address])
         try:
             unary = meta_pb2_grpc.MetaServerStub(client._channels[0])
-            got = [(r.decode.node_id, r.prefill.node_id, r.local_prefill)
+            got = [(r.decode.node_id, r.prefill.node_id, r.local_prefill, [f.node_id for f in r.prefill_fallbacks])
                    for r in await asyncio.gather(*(client.route(route_request(f"r{i}")) for i in range(3)))]
-            assert got == [("d0", "p0", False), ("d1", "p0", False), ("d0", "p0", False)]
+            assert got == [("d0", "p0", False, ["p1"]), ("d1", "p1", False, ["p0"]), ("d0", "p0", False, ["p1"])]
             reply = await unary.Route(route_request())
             assert (reply.decode.node_id, reply.decode.address) == ("d1", "d1.local:1")
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await client.route(route_request(model="other"))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert err.value.details() == "no live, undrained decode node for model 'other'"
-            assert (await client.route(route_request())).decode.node_id == "d0"  # same stream, still up
+            assert (await client.route(route_request())).decode.node_id == "d0"  # same channel, still up
             assert server.control.stats().num_routed == 5
         finally:
             await client.close()
@@ -79,19 +78,16 @@ def test_standby_answers_failed_precondition_per_call_and_the_client_follows():
         leader, leader_address = await start_meta(leading=True)
         client = MetaClient([standby_address, leader_address], follow_timeout_s=3.0)
         try:
-            raw = meta_pb2_grpc.MetaServerStub(client._channels[0]).RouteStream()
-            await raw.write(meta_pb2.RouteStreamRequest(call_id=7, route=route_request()))
-            answer = await raw.read()
-            assert (answer.call_id, answer.code) == (7, grpc.StatusCode.FAILED_PRECONDITION.value[0])
-            assert "is a standby; another meta-server leads" in answer.message
-            assert not answer.HasField("route")
-            raw.cancel()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await meta_pb2_grpc.MetaServerStub(client._channels[0]).Route(route_request())
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "is a standby; another meta-server leads" in err.value.details()
 
             assert (await client.route(route_request())).decode.node_id == "d0"
             assert client.current_address == leader_address
             assert leader.control.stats().num_routed == 1 and standby.control.stats().num_routed == 0
 
-            # the leader dies; the standby takes over: its stream breaks, the client follows
+            # the leader dies; the standby takes over: the client follows
             standby.control.election.is_leader = True
             await stop(leader)
             assert (await client.route(route_request())).decode.node_id == "d0"
@@ -124,28 +120,5 @@ def test_client_reconnects_to_a_restarted_meta_server():
             assert reply.decode.node_id == "d0" and server.control.stats().num_routed == 1
         finally:
             await client.close()
-            await stop(server)
-    asyncio.run(main())
-
-
-def test_meta_server_without_route_stream_gets_unary_routes():
-    async def main():
-        server, port = await create_server(MetaConfig(port=0, ttl_seconds=60.0))
-        # a second, older meta-server: its servicer has no RouteStream
-        old = grpc.aio.server()
-        servicer = MetaServicer(server.control)
-        servicer.RouteStream = meta_pb2_grpc.MetaServerServicer.RouteStream.__get__(servicer)
-        meta_pb2_grpc.add_MetaServerServicer_to_server(servicer, old)
-        old_port = old.add_insecure_port("127.0.0.1:0")
-        await old.start()
-        for node_id, role in (("d0", "decode"),):
-            server.control.register(node(node_id, role), 60.0)
-        client = MetaClient([f"127.0.0.1:{old_port}"])
-        try:
-            assert [(await client.route(route_request())).decode.node_id for _ in range(2)] == ["d0", "d0"]
-            assert client._unary_route == {0}
-        finally:
-            await client.close()
-            await old.stop(0)
             await stop(server)
     asyncio.run(main())
