@@ -121,7 +121,7 @@ class RemotePrefill:
             if await self._ask_settled(SETTLED_POLL_S):
                 return
             if dead_since is None:
-                if await self.node.is_member(self.prefill.node_id) is False:
+                if await self.node.is_member(self.prefill.node_id, self.prefill.role or "prefill") is False:
                     dead_since = time.monotonic()
                     log.warning("prefill node %s is gone; the blocks of %s are freed in %.1fs",
                                 self.prefill.node_id, self.request.request_id, timeouts.transfer_s)

@@ -78,7 +78,8 @@ class KVPusher:
     async def finish(self) -> int:
         """Wait until every queued write is acknowledged; returns bytes written."""
         self._submit()
-        results = await asyncio.gather(*self.writes)
+        # shielded: a cancelled caller must not mark writes still running in the executor done
+        results = await asyncio.gather(*(asyncio.shield(w) for w in self.writes))
         if self.error is not None:
             raise self.error
         self.bytes_written = sum(results)
@@ -97,9 +98,9 @@ class KVPusher:
     def settled(self) -> bool:
         """Every write submitted has ended, none with ranges left in flight."""
         for w in self.writes:
-            if not w.done():
+            if not w.done() or w.cancelled():   # cancelled: its thread may still be writing
                 return False
-            e = w.exception() if not w.cancelled() else None
+            e = w.exception()
             if isinstance(e, TransferError) and e.unsettled:
                 return False
         return True

@@ -16,10 +16,11 @@ ENGINE = {"num_blocks": 512, "max_num_seqs": 32, "max_model_len": 2048}
 
 
 def mesh_dict(model_dir, nodes, transfer="mooncake", top=None, **meta) -> dict:
-    return {**(top or {}), "model": str(model_dir), "engine": dict(ENGINE),
+    """top: top-level fields set last (e.g. etcd_endpoint, timeouts, or engine to replace ENGINE)."""
+    return {"model": str(model_dir), "engine": dict(ENGINE),
             "meta_server": {"port": 0, "ttl_seconds": 2.0, **meta},
             "gateway": {"port": 0}, "transfer": {"backend": transfer},
-            "nodes": [{"role": role, "node_id": node_id} for role, node_id in nodes]}
+            "nodes": [{"role": role, "node_id": node_id} for role, node_id in nodes], **(top or {})}
 
 
 @pytest.fixture(scope="session")
@@ -30,7 +31,7 @@ def start_mesh(tmp_path_factory):
 
     def start(model_dir, nodes=(("prefill", "prefill-0"), ("decode", "decode-0")),
               transfer="mooncake", top=None, **meta) -> MeshProcesses:
-        """top: extra top-level config fields (e.g. etcd_endpoint)."""
+        """top: top-level config fields set last (see mesh_dict)."""
         root = tmp_path_factory.mktemp("mesh")
         raw = mesh_dict(model_dir, nodes, transfer, top, **meta)
         path = root / "mesh.yaml"

@@ -43,8 +43,8 @@ def store(tmp_path_factory, redis):
     port = free_port()
     raw = {"model": str(root / "unused"), "transfer": {"backend": "mooncake"},
            "kv_store": {"port": port, "capacity_mb": NUM_SLOTS * SLOT_BYTES / (1 << 20), "max_spaces": 3,
-                        "high_watermark": 0.8, "low_watermark": 0.5, "reserve_ttl_s": 2.0,
-                        "pin_ttl_s": 30.0, "redis_url": redis.url}}
+                        "high_watermark": 0.8, "low_watermark": 0.5, "redis_url": redis.url},
+           "timeouts": {"transfer_s": 1.0, "kv_store_reserve_lease_s": 2.0, "kv_store_pin_lease_s": 30.0}}
     (root / "mesh.yaml").write_text(yaml.safe_dump(raw))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(root / "kv-store.log", "wb") as log:
@@ -140,7 +140,7 @@ def test_store_service_end_to_end(store, redis):
                                               token_ids=seq(1000)), timeout=5)
         assert reply.pin_id == "" and list(reply.slot_ids) == []
 
-        # a reservation never committed expires (reserve_ttl_s 2 s): its commit is NOT_FOUND
+        # a reservation never committed expires (kv_store_reserve_lease_s 2 s): its commit is NOT_FOUND
         late = a.put(store, seq(50000), [9], commit=False)
         assert late.put_id
         time.sleep(2.8)

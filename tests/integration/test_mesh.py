@@ -220,3 +220,20 @@ def test_every_service_has_health_and_reflection(pd_mesh):
             assert status == health_pb2.HealthCheckResponse.SERVING
             services = set(ProtoReflectionDescriptorDatabase(ch).get_services())
             assert {expected[svc.role], "grpc.health.v1.Health"} <= services, svc.name
+
+
+def test_clients_may_send_the_same_request_id_at_once(pd_mesh, expected):
+    """The mesh keys each attempt by its own id: two clients' equal ids never meet."""
+    prompts = mixed_prompts()
+
+    async def rounds():
+        results = []
+        for i in range(8):
+            pair = [request(prompts[j], max_tokens=MAX_TOKENS[j]) for j in (2 * i, 2 * i + 1)]
+            for req in pair:
+                req.request_id = "same-id"
+            results += await asyncio.gather(*(stream(pd_mesh.gateway_address, r) for r in pair))
+        return results
+
+    assert_matches_offline(asyncio.run(rounds()), expected)
+    assert_no_blocks_in_use(pd_mesh)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from common.config import TimeoutConfig
 import torch
 
+from common.config import TimeoutConfig
 from services.kv_store.store import SpacesExhausted
 from tests.kv_store_helpers import BLOCK_SIZE, ClientCache, chain, new_store, put_blocks
 
