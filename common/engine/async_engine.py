@@ -125,6 +125,7 @@ class AsyncEngine:
         self._background: set[asyncio.Task] = set()
         self.engine.scheduler.on_remote_admit = self._on_remote_admit
         self._stopped = False
+        self._stuck = False   # the last step scheduled nothing (no block free): wait for a command
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="pdmesh-engine", daemon=True)
         self._thread.start()
@@ -167,6 +168,7 @@ class AsyncEngine:
                 if not self._inbox:
                     return
                 command = self._inbox.popleft()
+                self._stuck = False   # a command may have made room: step again
             command()
             self._deliver(self.engine.take_outputs())
 
@@ -390,7 +392,7 @@ class AsyncEngine:
         try:
             while True:
                 with self._wake:
-                    while not self._stopped and not self._inbox and not self.engine.has_unfinished():
+                    while not self._stopped and not self._inbox and (self._stuck or not self.engine.has_unfinished()):
                         self._wake.wait()
                     stopping = self._stopped
                     self._engine_lock.acquire()  # before _wake is released: keeps command order
@@ -400,6 +402,7 @@ class AsyncEngine:
                         return  # no command is queued after the flag (see _run_on_engine)
                     if self.engine.has_unfinished():
                         self._deliver(self.engine.step())
+                        self._stuck = self.engine.last_step_empty
                 finally:
                     self._engine_lock.release()
         except BaseException as e:

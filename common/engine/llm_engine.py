@@ -118,6 +118,7 @@ class LLMEngine:
         self._arrivals = 0
         self._requests: dict[str, Sequence] = {}     # live: not finished, not aborted
         self._outputs: list[StepOutput] = []
+        self.last_step_empty = False
         log.info("engine ready: %s on %s/%s, %s, %d blocks x %d tokens, max_model_len %d (%.1fs)",
                  self.model_id, self.device, self.backend.name, self.dtype, self.num_blocks,
                  self.block_size, self.max_model_len, time.perf_counter() - start)
@@ -238,6 +239,8 @@ class LLMEngine:
         """Run one scheduled step; returns take_outputs() (this step's tokens, after any
         emitted by commands since the last call)."""
         sched = self.scheduler.schedule()
+        # nothing could run (e.g. no free block) and nothing changed: only a command can help
+        self.last_step_empty = sched.is_empty and not sched.preempted
         if sched.is_empty:
             return self.take_outputs()
         logits, sample_seqs = self.runner.execute(sched)

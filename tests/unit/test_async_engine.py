@@ -168,3 +168,34 @@ def test_calls_after_shutdown_fail_instead_of_waiting_forever(llm):
             await engine.release("nothing")
 
     asyncio.run(scenario())
+
+
+def test_a_request_that_cannot_be_admitted_does_not_spin_the_step_thread(tiny_model):
+    """Every block held (a prefill node pushing its KV): the waiting request takes no step
+    until a command frees blocks; then it runs."""
+    from common.config import EngineConfig
+    from common.engine.llm_engine import LLMEngine
+    engine = LLMEngine(EngineConfig(str(tiny_model("llama")), num_blocks=4, max_model_len=64))
+    steps = []
+    step = engine.step
+    engine.step = lambda: steps.append(1) or step()
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    async def scenario(async_engine):
+        held = await async_engine.prefill("held", list(range(3, 60)), one)   # 4 blocks, kept
+        waiting = asyncio.ensure_future(async_engine.prefill("next", list(range(3, 40)), one))
+        await asyncio.sleep(0.3)
+        idle_steps = len(steps)
+        await async_engine.release("held")
+        out = await waiting
+        await async_engine.release("next")
+        return held, out, idle_steps
+
+    async_engine = AsyncEngine(engine)
+    try:
+        held, out, idle_steps = asyncio.run(scenario(async_engine))
+    finally:
+        async_engine.shutdown()
+    assert held.finished and out.finished
+    assert idle_steps <= 3   # the prompt of "held", then at most one empty try for "next"
+    assert engine.stats()["used_blocks"] == 0

@@ -55,9 +55,14 @@ def test_route_answers_with_the_routers_decisions_and_fallbacks():
         client = MetaClient([address])
         try:
             unary = meta_pb2_grpc.MetaServerStub(client._channels[0])
-            got = [(r.decode.node_id, r.prefill.node_id, r.local_prefill, [f.node_id for f in r.prefill_fallbacks])
-                   for r in await asyncio.gather(*(client.route(route_request(f"r{i}")) for i in range(3)))]
+            got = []
+            for i in range(3):
+                r = await client.route(route_request(f"r{i}"))
+                got.append((r.decode.node_id, r.prefill.node_id, r.local_prefill,
+                            [f.node_id for f in r.prefill_fallbacks]))
             assert got == [("d0", "p0", False, ["p1"]), ("d1", "p1", False, ["p0"]), ("d0", "p0", False, ["p1"])]
+            together = await asyncio.gather(*(client.route(route_request(f"c{i}")) for i in range(4)))
+            assert sorted(r.decode.node_id for r in together) == ["d0", "d0", "d1", "d1"]
             reply = await unary.Route(route_request())
             assert (reply.decode.node_id, reply.decode.address) == ("d1", "d1.local:1")
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -65,7 +70,7 @@ def test_route_answers_with_the_routers_decisions_and_fallbacks():
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert err.value.details() == "no live, undrained decode node for model 'other'"
             assert (await client.route(route_request())).decode.node_id == "d0"  # same channel, still up
-            assert server.control.stats().num_routed == 5
+            assert server.control.stats().num_routed == 9
         finally:
             await client.close()
             await stop(server)
