@@ -28,7 +28,7 @@ import yaml
 from bench_model import ROOT, ensure_bench_model
 
 from common.config import mesh_config_from_dict  # noqa: E402
-from services.launcher import MeshProcesses  # noqa: E402
+from services.cli.launcher import MeshProcesses  # noqa: E402
 
 ENGINE = {"num_blocks": 1024, "max_num_seqs": 16, "max_model_len": 4096}
 VOCAB = 640

@@ -6,7 +6,7 @@ older commit): both meshes run side by side and are measured in alternating roun
 
     python bench/request_plane.py [--baseline-tree DIR] [--rounds 4] [--requests 192]
 
-Each tree's mesh is started by that tree's own launcher (services/launcher.py) in a child
+Each tree's mesh is started by that tree's own launcher (services/cli/launcher.py) in a child
 process; the client here speaks only the public pdmesh.v1.Gateway API, the same in both.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ import json, sys
 from pathlib import Path
 import yaml
 from common.config import mesh_config_from_dict
-from services.launcher import MeshProcesses
+from services.cli.launcher import MeshProcesses
 raw, work = json.loads(sys.argv[1]), Path(sys.argv[2])
 (work / "mesh.yaml").write_text(yaml.safe_dump(raw))
 mesh = MeshProcesses(str(work / "mesh.yaml"), mesh_config_from_dict(raw), work / "logs", quiet=True)

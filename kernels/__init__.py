@@ -3,7 +3,7 @@
 Importing this package loads torch only; torch_npu / flash_attn load with their backend.
 """
 from kernels.api import Backend, DecodeMetadata, PrefillMetadata
-from kernels.registry import get_backend, register_backend
+from kernels.factory import get_backend, register_backend
 from kernels.rope import rope_cos_sin, rope_inv_freq
 
 __all__ = ["Backend", "DecodeMetadata", "PrefillMetadata", "get_backend", "register_backend",

@@ -14,7 +14,7 @@ Prefill is causal, bottom-right aligned: the query of a chunk holds the last
 row i sees context positions [0, seq_len - q_len + i].
 
 Backends: `ref` (pure torch, kernels/ref.py), `npu` (torch_npu), `cuda` (flash-attn),
-chosen by kernels.registry.get_backend.
+chosen by kernels.factory.get_backend.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ them with batched one-sided reads. Backends are imported lazily through `create_
 from common.transfer.base import Region, TransferEngine, TransferError
 from common.transfer.kv_writes import KVSender, block_runs, plan_block_reads, plan_block_writes
 from common.transfer.layout import KVLayout
-from common.transfer.registry import BACKENDS, create_transfer
+from common.transfer.factory import BACKENDS, create_transfer
 
 __all__ = ["BACKENDS", "KVLayout", "KVSender", "Region", "TransferEngine", "TransferError",
            "block_runs", "create_transfer", "plan_block_reads", "plan_block_writes"]

@@ -12,7 +12,7 @@ the error says `unsettled`. Either raises TransferError otherwise
 (unreachable peer, remote range outside the peer's registered regions, local range not
 registered where the backend needs it, injected fault).
 
-Backends (common/transfer/registry.py): `mooncake` (Mooncake Transfer Engine, tcp here,
+Backends (common/transfer/factory.py): `mooncake` (Mooncake Transfer Engine, tcp here,
 rdma on RoCE), `grpc` (bytes over gRPC streams; the peer serves the KVTransfer service),
 `fake` (in-process memmove with fault injection, for unit tests).
 

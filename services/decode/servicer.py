@@ -23,7 +23,7 @@ from common.engine.async_engine import EngineDeadError
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.convert import sampling_from_proto, usage
 from services.decode.remote_prefill import RemotePrefill
-from services.engine_node import EngineNode
+from services.node.engine_node import EngineNode
 
 log = logging.getLogger("pdmesh.decode")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import grpc
 
 from protos.pdmesh.v1 import engine_pb2, engine_pb2_grpc
-from services import grpc_util
+from services.node import grpc_util
 
 
 class DecodeCall:

@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 import grpc
 
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
-from services import grpc_util
+from services.node import grpc_util
 
 NO_NODE_PREFIX = "no live"
 FOLLOW = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION,

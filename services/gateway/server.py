@@ -7,7 +7,7 @@ from common.config import MeshConfig
 from common.model.config import load_model_config
 from common.model.tokenizer import Tokenizer
 from protos.pdmesh.v1 import gateway_pb2, gateway_pb2_grpc
-from services import grpc_util
+from services.node import grpc_util
 from services.gateway.servicer import GatewayServicer
 
 log = logging.getLogger("pdmesh.gateway")

@@ -30,7 +30,7 @@ from common.transfer.base import TransferError
 from common.transfer.kv_writes import KVSender
 from common.transfer.layout import KVLayout
 from protos.pdmesh.v1 import kv_store_pb2, kv_store_pb2_grpc
-from services import grpc_util
+from services.node import grpc_util
 
 log = logging.getLogger("pdmesh.kv_store.client")
 

@@ -11,10 +11,10 @@ import asyncio
 import logging
 
 from common.config import MeshConfig
-from common.transfer.registry import create_transfer
+from common.transfer.factory import create_transfer
 from protos.pdmesh.v1 import kv_store_pb2, kv_store_pb2_grpc
-from services import grpc_util
-from services.engine_node import transfer_options
+from services.node import grpc_util
+from services.node.engine_node import transfer_options
 from services.kv_store.redis_tier import RedisTier
 from services.kv_store.servicer import KVStoreServicer
 from services.kv_store.store import KVStore

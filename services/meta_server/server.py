@@ -20,7 +20,7 @@ import logging
 from common.cluster.base import ETCD_EXPIRY_CHECK_S, Backoff, election_ttl_seconds
 from common.config import MetaConfig
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
-from services import grpc_util
+from services.node import grpc_util
 from services.meta_server.admin_servicer import MetaAdminServicer
 from services.meta_server.admin_state import (AdminState, AdminStateUnavailableError, InMemoryAdminState,
                                               StoreAdminState)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import grpc
 
 from protos.pdmesh.v1 import kv_store_pb2, kv_store_pb2_grpc
-from services import grpc_util
+from services.node import grpc_util
 
 log = logging.getLogger("pdmesh.meta")
 

@@ -10,7 +10,7 @@ import yaml
 
 from common.config import mesh_config_from_dict
 from protos.pdmesh.v1 import engine_pb2, engine_pb2_grpc
-from services.launcher import MeshProcesses
+from services.cli.launcher import MeshProcesses
 
 ENGINE = {"num_blocks": 512, "max_num_seqs": 32, "max_model_len": 2048}
 

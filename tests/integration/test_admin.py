@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
-from services.launcher import ROOT
+from services.cli.launcher import ROOT
 from tests.integration.conftest import engine_stats
 from tests.integration.test_mesh import request, stream
 

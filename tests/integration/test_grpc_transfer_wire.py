@@ -13,7 +13,7 @@ from tests.integration.test_transfer_backends import Buffer
 def test_grpc_receiver_accepts_protobuf_clients():
     import grpc
 
-    from common.transfer.grpc_stream import CHANNEL_OPTIONS
+    from common.transfer.grpc_transfer import CHANNEL_OPTIONS
     from protos.pdmesh.v1 import transfer_pb2, transfer_pb2_grpc
     receiver = create_transfer("grpc")
     dst = Buffer(bytes(64))
@@ -49,7 +49,7 @@ def test_grpc_chunk_codec_matches_protobuf():
 def test_grpc_read_serves_protobuf_clients():
     import grpc
 
-    from common.transfer.grpc_stream import CHANNEL_OPTIONS
+    from common.transfer.grpc_transfer import CHANNEL_OPTIONS
     from protos.pdmesh.v1 import transfer_pb2, transfer_pb2_grpc
     receiver = create_transfer("grpc")
     src = Buffer(bytes(range(64)))

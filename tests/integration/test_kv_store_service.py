@@ -21,7 +21,7 @@ from common.transfer.kv_writes import KVSender
 from common.transfer.layout import KVLayout
 from protos.pdmesh.v1 import kv_store_pb2 as pb
 from protos.pdmesh.v1 import kv_store_pb2_grpc
-from services.launcher import wait_healthy
+from services.cli.launcher import wait_healthy
 from tests.server_process import free_port
 from tests.redis_server import RedisServer
 

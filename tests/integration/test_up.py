@@ -18,7 +18,7 @@ import grpc
 import pytest
 import yaml
 
-from services.client import stream_generate
+from services.cli.client import stream_generate
 
 ROOT = Path(__file__).resolve().parents[2]
 READY = re.compile(r"^gateway ready at (\S+)$")

@@ -3,7 +3,7 @@ only what others dial; an empty transfer.hostname follows the node's advertised 
 from __future__ import annotations
 
 from common.config import MetaConfig, NodeConfig, mesh_config_from_dict
-from services.engine_node import transfer_options
+from services.node.engine_node import transfer_options
 
 
 def test_defaults_advertise_the_bind_host():

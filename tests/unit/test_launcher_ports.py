@@ -9,8 +9,8 @@ import socket
 import pytest
 
 from common.config import mesh_config_from_dict
-from services import grpc_util
-from services.launcher import MeshProcesses
+from services.node import grpc_util
+from services.cli.launcher import MeshProcesses
 
 
 def test_second_grpc_server_on_a_port_fails_to_bind():

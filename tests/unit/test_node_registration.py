@@ -1,4 +1,4 @@
-"""services/node_registration.py against a real meta-server (create_server, port 0):
+"""services/node/node_registration.py against a real meta-server (create_server, port 0):
 with the embedded registry over gRPC, and with nodes and registry in a real etcd. The
 same scenario either way: join, load reports, back after an operator's remove, leave."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from common.config import MeshConfig, MetaConfig
 from protos.pdmesh.v1 import common_pb2, meta_pb2, meta_pb2_grpc
 from services.meta_server.registry import DOWN, UP
 from services.meta_server.server import create_server
-from services.node_registration import EtcdRegistration, RpcRegistration, create_registration
+from services.node.node_registration import EtcdRegistration, RpcRegistration, create_registration
 from tests.etcd_server import etcd_server, loop, run, wait_until  # noqa: F401  (fixtures)
 
 TTL = 1.0

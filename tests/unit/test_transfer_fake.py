@@ -1,5 +1,5 @@
 """FakeTransfer semantics for writes and reads (range checks, fault injection, counters) and
-the backend registry."""
+the backend factory."""
 from __future__ import annotations
 
 import ctypes
@@ -176,7 +176,7 @@ def test_register_validates():
     engine.close()
 
 
-def test_registry_creates_backends_lazily():
+def test_factory_creates_backends_lazily():
     assert set(BACKENDS) == {"mooncake", "grpc", "fake"}
     engine = create_transfer("fake", delay_s=0.5)
     assert isinstance(engine, FakeTransfer) and engine.name == "fake" and engine.delay_s == 0.5

@@ -1,5 +1,5 @@
 """The etcd registry: the table follows the keys that nodes keep on their own etcd leases,
-/pdmesh/<cluster>/nodes/<role>/<node_id> -> NodeInfo (services/node_registration.py).
+/pdmesh/<cluster>/nodes/<role>/<node_id> -> NodeInfo (services/node/node_registration.py).
 
 The keys are listed at start and then watched from the next revision by a common.cluster
 MemberView, which re-watches from the last seen revision + 1 after an etcd outage and

@@ -27,7 +27,7 @@ import grpc
 
 from common.config import MeshConfig
 from protos.pdmesh.v1 import common_pb2, meta_pb2, meta_pb2_grpc
-from services import grpc_util
+from services.node import grpc_util
 
 log = logging.getLogger("pdmesh.node")
 

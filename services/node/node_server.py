@@ -6,8 +6,8 @@ import logging
 
 from common.config import MeshConfig, NodeConfig
 from protos.pdmesh.v1 import engine_pb2, engine_pb2_grpc
-from services import grpc_util
-from services.engine_node import EngineNode
+from services.node import grpc_util
+from services.node.engine_node import EngineNode
 
 log = logging.getLogger("pdmesh.node")
 SERVICES = engine_pb2.DESCRIPTOR.services_by_name

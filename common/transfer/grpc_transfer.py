@@ -52,7 +52,7 @@ class _PeerCalls:
     read: grpc.UnaryStreamMultiCallable
 
 
-class GrpcStreamTransfer(TransferEngine):
+class GrpcTransfer(TransferEngine):
     name = "grpc"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, max_workers: int = 4,

@@ -1,4 +1,4 @@
-"""Kernel backend registry with lazy imports: a backend's module (and torch_npu or
+"""The kernel backend factory, with lazy imports: a backend's module (and torch_npu or
 flash_attn behind it) is imported only when that backend is asked for.
 
 A registered class is constructed as cls(device=str(device)); one instance is cached per
@@ -18,7 +18,7 @@ from kernels.api import Backend
 ENV_VAR = "PDMESH_KERNEL_BACKEND"
 
 logger = logging.getLogger(__name__)
-_REGISTRY: dict[str, tuple[str, str]] = {
+_BACKENDS: dict[str, tuple[str, str]] = {
     "ref": ("kernels.ref", "RefBackend"),
     "npu": ("kernels.npu", "NpuBackend"),
     "cuda": ("kernels.cuda", "CudaBackend"),
@@ -33,13 +33,13 @@ def register_backend(name: str, module_path: str, class_name: str) -> None:
     if name == "auto":
         raise ValueError("kernel backend name 'auto' is reserved; pick another name")
     with _LOCK:
-        _REGISTRY[name] = (module_path, class_name)
+        _BACKENDS[name] = (module_path, class_name)
         _INSTANCES.clear()
 
 
 def available_backends() -> list[str]:
     """Names get_backend accepts, "auto" first."""
-    return ["auto", *_REGISTRY]
+    return ["auto", *_BACKENDS]
 
 
 def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> Backend:
@@ -50,7 +50,7 @@ def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> Backe
     RuntimeError; an unknown name raises ValueError.
     """
     name = os.environ.get(ENV_VAR) or name
-    if name not in _REGISTRY and name != "auto":
+    if name not in _BACKENDS and name != "auto":
         raise ValueError(f"kernel backend {name!r} is unknown; allowed: "
                          f"{', '.join(available_backends())} (argument or ${ENV_VAR})")
     device_str = str(device)
@@ -85,7 +85,7 @@ def _instance(name: str, device_str: str) -> Backend:
 
 
 def _load(name: str) -> type[Backend]:
-    module_path, class_name = _REGISTRY[name]
+    module_path, class_name = _BACKENDS[name]
     try:
         cls = getattr(importlib.import_module(module_path), class_name)
     except Exception as exc:

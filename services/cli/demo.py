@@ -12,8 +12,8 @@ import time
 
 import grpc
 
-from services.cli_generate import DEMO_PROMPTS
-from services.client import StreamResult, describe, stream_generate
+from services.cli.generate import DEMO_PROMPTS
+from services.cli.client import StreamResult, describe, stream_generate
 
 
 async def _one(channel, index: int, prompt: str, max_tokens: int) -> StreamResult | None:

@@ -14,12 +14,12 @@ import sys
 from typing import Sequence
 
 SUBCOMMANDS: tuple[str, ...] = (
-    "services.cli_tiny",
-    "services.cli_generate",
-    "services.cli_serve",
-    "services.cli_up",
-    "services.cli_admin",
-    "services.cli_kv_store",
+    "services.cli.tiny",
+    "services.cli.generate",
+    "services.cli.serve",
+    "services.cli.up",
+    "services.cli.admin",
+    "services.cli.kv_store",
 )
 
 

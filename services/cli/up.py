@@ -3,7 +3,7 @@
 Lifecycle:
   load the config -> make the built-in tiny model when the config names `tiny_arch` and
   the model folder is missing -> start meta-server, engine nodes, gateway as separate
-  processes (services.launcher; one status line each, with its pid) -> print exactly one
+  processes (services.cli.launcher; one status line each, with its pid) -> print exactly one
   line `gateway ready at HOST:PORT` -> wait for Ctrl-C or SIGTERM (with --demo: stream a
   few built-in prompts through the gateway concurrently and print text and timings
   instead) -> stop every service (SIGTERM, SIGKILL after a grace period), a status line
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from services.launcher import MeshProcesses
+    from services.cli.launcher import MeshProcesses
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdmesh-up-"))
     print(f"logs in {log_dir}", flush=True)
     mesh = MeshProcesses(args.config, mesh_cfg, log_dir)
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         address = mesh.start(timeout_s=args.start_timeout)
         print(f"gateway ready at {address}", flush=True)
         if args.demo:
-            from services.demo import run_demo
+            from services.cli.demo import run_demo
             if mesh_cfg.tiny_arch:
                 print("(the tiny model has random weights: its text is gibberish)", flush=True)
             code = run_demo(address, max_tokens=args.max_tokens)

@@ -8,7 +8,7 @@ from common.transfer.base import TransferEngine
 
 BACKENDS = {
     "mooncake": ("common.transfer.mooncake", "MooncakeTransfer"),
-    "grpc": ("common.transfer.grpc_stream", "GrpcStreamTransfer"),
+    "grpc": ("common.transfer.grpc_transfer", "GrpcTransfer"),
     "fake": ("common.transfer.fake", "FakeTransfer"),
 }
 

@@ -22,9 +22,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import MeshConfig
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
-from services.grpc_util import free_port, port_in_use
+from services.node.grpc_util import free_port, port_in_use
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass

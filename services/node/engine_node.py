@@ -17,11 +17,11 @@ from common.engine.async_engine import AsyncEngine
 from common.engine.llm_engine import LLMEngine
 from common.transfer.kv_writes import KVSender
 from common.transfer.layout import KVLayout
-from common.transfer.registry import create_transfer
+from common.transfer.factory import create_transfer
 from protos.pdmesh.v1 import common_pb2, engine_pb2
-from services import grpc_util
+from services.node import grpc_util
 from services.kv_store.client import KVStoreClient
-from services.node_registration import NodeRegistration, create_registration
+from services.node.node_registration import NodeRegistration, create_registration
 
 log = logging.getLogger("pdmesh.node")
 

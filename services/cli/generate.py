@@ -67,7 +67,7 @@ def _run_gateway(args: argparse.Namespace) -> int:
 async def _stream_all(args: argparse.Namespace) -> int:
     import grpc
 
-    from services.client import describe, stream_generate
+    from services.cli.client import describe, stream_generate
     prompts = args.prompts or DEMO_PROMPTS
     num_tokens, start = 0, time.perf_counter()
     async with grpc.aio.insecure_channel(args.gateway) as channel:

@@ -84,7 +84,7 @@ async def _serve(args) -> None:
         server, _ = await create_server(mesh, args.port)
         stop = server.stop
     else:
-        from services.node_server import create_node_server, stop_node_server
+        from services.node.node_server import create_node_server, stop_node_server
         server, _ = await create_node_server(mesh, _node_config(mesh, args.role, args.node_id), args.port)
 
         async def stop(grace):
