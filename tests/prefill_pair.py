@@ -17,6 +17,7 @@ from common.transfer.kv_writes import KVSender
 from common.transfer.layout import KVLayout
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.decode.remote_prefill import RemotePrefill
+from services.node import grpc_util
 from services.prefill.servicer import PrefillServicer
 
 FAST = TimeoutConfig(transfer_s=0.3, cancel_ack_s=1.0, prefill_s=10.0, request_s=60.0,
@@ -51,7 +52,8 @@ class PrefillPair:
         self.alive = True          # what the decode node's membership says of the prefill node
         self.decode_node = SimpleNamespace(
             engine=self.decode, transfer=self.decode_transfer, layout=decode_layout, mesh=mesh,
-            node=NodeConfig("decode", "decode-0"), channel=self._channel, is_member=self._is_member)
+            node=NodeConfig("decode", "decode-0"), channel=self._channel, is_member=self._is_member,
+            peer_limits=grpc_util.PeerLimits(grpc_util.MAX_CALLS_PER_PEER))
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.server = None
         self.address = ""

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from common.config import EngineConfig
+from common.engine.lifecycle import RequestState
 from common.engine.llm_engine import LLMEngine, StepOutput
 from common.engine.sampling_params import SamplingParams
 
@@ -267,7 +268,7 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> bool:
         """Abort and free the request's blocks (or quarantine them while a remote fill is
         unconfirmed); True if it was live. Its stream ends with finish_reason abort."""
-        remote = self._remote.get(request_id)
+        remote = self._remote.pop(request_id, None)   # no fill may start after this
         settled = True
         if remote is not None and request_id in self._fills:
             settled = await remote.cancel()
@@ -323,16 +324,20 @@ class AsyncEngine:
         if box is None or remote is None:
             self.engine.fail_remote(seq.request_id, writer_settled=True)  # nobody fills it
             return
-        args = (seq.request_id, remote, list(seq.block_ids), seq.num_computed_tokens)
+        args = (seq, remote, list(seq.block_ids), seq.num_computed_tokens)
         loop = box._loop
         if _running_loop() is loop:
             loop.call_soon(self._start_fill, *args)
-        else:
+            return
+        try:
             loop.call_soon_threadsafe(self._start_fill, *args)
+        except RuntimeError:  # the caller's loop is closed: nobody fills it
+            self.engine.fail_remote(seq.request_id, writer_settled=True)
 
-    def _start_fill(self, request_id: str, remote: RemoteKV, block_ids: list[int], cached: int) -> None:
-        if request_id not in self._remote:
-            return  # the caller left before it started: its abort frees the blocks
+    def _start_fill(self, seq, remote: RemoteKV, block_ids: list[int], cached: int) -> None:
+        request_id = seq.request_id
+        if self._remote.get(request_id) is not remote or seq.state != RequestState.KV_REMOTE:
+            return  # aborted (or left) before it started: nothing may write these blocks
         # kept until the request ends: a fill that ended with an error may still have
         # writers, and leaving the request then asks them to stop first
         self._fills[request_id] = asyncio.get_running_loop().create_task(
@@ -377,7 +382,10 @@ class AsyncEngine:
             self._stopped = True
             self._wake.notify()
         self._thread.join(timeout=30)
-        self._fail_queued(EngineDeadError("the engine is shut down"))
+        error = EngineDeadError("the engine is shut down")
+        self._fail_queued(error)
+        for box in list(self._outboxes.values()):
+            box.put(error)   # no stream waits forever
 
     def _fail_queued(self, error: BaseException) -> None:
         with self._wake:

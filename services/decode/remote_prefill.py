@@ -4,18 +4,22 @@ common/engine/async_engine.py drives (fill, cancel, settled).
 Lifecycle of one RemotePrefill:
   fill(block_ids, n)  Prefill on the routed prefill node, then on each fallback node the
                       route listed while a node answers RESOURCE_EXHAUSTED (full: it
-                      wrote nothing); deadline: timeouts.prefill_s, or what remains of the
+                      wrote nothing) or this node already has MAX_CALLS_PER_PEER calls in
+                      flight to it; deadline: timeouts.prefill_s, or what remains of the
                       request if less. Returns the first token; raises otherwise (the
                       engine then calls cancel() and prefills here).
   cancel()            stop the call in flight. A status the prefill node answered itself
                       (it marks it `pdmesh-writes-settled`) proves that none of its writes
-                      can land: True at once. Otherwise CancelPrefill(request id) on that
-                      node, waiting up to timeouts.cancel_ack_s: True when it answers
-                      settled; False when it does not answer or is still settling.
+                      can land, and so does a call that never reached it (no connection):
+                      True at once. Otherwise CancelPrefill(request id) on that node,
+                      waiting up to timeouts.cancel_ack_s: True when it answers settled;
+                      False when it does not answer or is still settling.
   settled()           after cancel() returned False: ask again every poll until the node
-                      says settled, or until it is known dead (gone from the membership:
-                      its lease lapsed) and timeouts.transfer_s more passed. Meanwhile the
-                      engine keeps the destination blocks QUARANTINED.
+                      says settled, or it has been gone from the membership (its lease
+                      lapsed) for timeouts.transfer_bound_s, and at the latest until the
+                      call's deadline plus transfer_bound_s (no write starts past the
+                      deadline, none runs longer than that). Meanwhile the engine keeps the
+                      destination blocks QUARANTINED.
 
 The request id is the mesh's id of this attempt, so CancelPrefill can name it safely.
 Thread-safety: event loop only.
@@ -37,13 +41,18 @@ SETTLED_POLL_S = 0.5                    # settled(): how often to ask a quiet pr
 
 
 def answered_settled(error: grpc.aio.AioRpcError) -> bool:
-    """True when the prefill node itself ended the call after its writes had ended."""
-    return any(key == SETTLED_KEY for key, _ in (error.trailing_metadata() or ()))
+    """True when the call proves no write of it can land: the prefill node itself ended it
+    after its writes had ended, or it never reached the node (no connection could be made;
+    gRPC core's words for that)."""
+    if any(key == SETTLED_KEY for key, _ in (error.trailing_metadata() or ())):
+        return True
+    return error.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (error.details() or "")
 
 
 class RemotePrefill:
     def __init__(self, node, request: engine_pb2.DecodeRequest, deadline: float):
-        """node: the decode EngineNode (channel, transfer, layout, timeouts, is_member);
+        """node: the decode EngineNode (channel, peer_limits, transfer, layout, mesh.timeouts,
+        is_member);
         deadline: the request's, time.monotonic()."""
         self.node, self.request, self.deadline = node, request, deadline
         self.candidates = [request.prefill, *request.prefill_fallbacks]
@@ -54,6 +63,7 @@ class RemotePrefill:
         self._unsettled = False               # a call ended (or was left) with writes possibly in flight
         self._cancelled = False
         self._cancel: asyncio.Task | None = None
+        self.call_deadline = 0.0              # of the last Prefill call sent
 
     def _stub(self, info: common_pb2.NodeInfo) -> engine_pb2_grpc.PrefillStub:
         return engine_pb2_grpc.PrefillStub(self.node.channel(info.address))
@@ -74,6 +84,12 @@ class RemotePrefill:
             timeout = min(timeouts.prefill_s, self.deadline - time.monotonic())
             if timeout <= 0:
                 raise TimeoutError("the request's deadline passed before its prefill")
+            self.call_deadline = time.monotonic() + timeout
+            try:
+                slot = self.node.peer_limits.acquire(info.address)
+            except grpc.aio.AioRpcError:  # our own bound on calls to that node
+                self.num_refused += 1
+                continue
             self._unsettled = True
             self._call = self._stub(info).Prefill(request, timeout=timeout)
             try:
@@ -86,6 +102,8 @@ class RemotePrefill:
                              self.request.request_id)
                     continue
                 raise
+            finally:
+                slot.release()
             self._unsettled = False
             return KVFilled(len(self.request.prompt_token_ids), self.reply.first_token_id)
         raise RuntimeError(f"every prefill node is full ({self.num_refused} refused)")
@@ -115,16 +133,19 @@ class RemotePrefill:
         return reply.settled
 
     async def settled(self) -> None:
-        timeouts = self.node.mesh.timeouts
+        bound = self.node.mesh.timeouts.transfer_bound_s
+        latest = self.call_deadline + bound
         dead_since = None
-        while True:
+        while time.monotonic() < latest:
             if await self._ask_settled(SETTLED_POLL_S):
                 return
-            if dead_since is None:
-                if await self.node.is_member(self.prefill.node_id, self.prefill.role or "prefill") is False:
-                    dead_since = time.monotonic()
-                    log.warning("prefill node %s is gone; the blocks of %s are freed in %.1fs",
-                                self.prefill.node_id, self.request.request_id, timeouts.transfer_s)
-            elif time.monotonic() - dead_since >= timeouts.transfer_s:
-                return
+            member = await self.node.is_member(self.prefill.node_id, self.prefill.role or "prefill")
+            if member is False:
+                dead_since = dead_since or time.monotonic()
+                if time.monotonic() - dead_since >= bound:
+                    log.warning("prefill node %s is gone: freeing the blocks of %s", self.prefill.node_id,
+                                self.request.request_id)
+                    return
+            elif member is True:
+                dead_since = None  # back (or never gone): wait for its answer
             await asyncio.sleep(SETTLED_POLL_S)

@@ -39,16 +39,18 @@ class MetaClient:
     def current_address(self) -> str:
         return self.addresses[self._current]
 
-    async def call(self, method: str, request, timeout: float = 5.0):
-        """A unary MetaServer call, following the leader."""
-        return await self._follow(lambda i: getattr(self._stubs[i], method)(request, timeout=timeout))
+    async def call(self, method: str, request, timeout: float = 5.0, deadline: float | None = None):
+        """A unary MetaServer call, following the leader for follow_timeout_s, and never
+        past `deadline` (time.monotonic(), the request's) when given."""
+        return await self._follow(lambda i: getattr(self._stubs[i], method)(request, timeout=timeout), deadline)
 
-    async def route(self, request: meta_pb2.RouteRequest, timeout: float = 5.0) -> meta_pb2.RouteResponse:
+    async def route(self, request: meta_pb2.RouteRequest, timeout: float = 5.0,
+                    deadline: float | None = None) -> meta_pb2.RouteResponse:
         """Route, following the leader; raises grpc.aio.AioRpcError."""
-        return await self.call("Route", request, timeout)
+        return await self.call("Route", request, timeout, deadline)
 
-    async def _follow(self, attempt: Callable[[int], Awaitable]):
-        deadline = time.monotonic() + self.follow_timeout_s
+    async def _follow(self, attempt: Callable[[int], Awaitable], deadline: float | None = None):
+        deadline = min(time.monotonic() + self.follow_timeout_s, deadline or float("inf"))
         while True:
             try:
                 return await attempt(self._current)

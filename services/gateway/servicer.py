@@ -10,7 +10,8 @@ Lifecycle of a Generate RPC:
      node) -> the decode node's Generate stream (it prefills locally or through the
      prefill node, falling back to the other prefill nodes the route lists); a decode node
      that is UNAVAILABLE before sending anything (e.g. just died, not yet expired by the
-     meta-server) is excluded and the request routed again as a new attempt
+     meta-server) or full (RESOURCE_EXHAUSTED) before sending anything is excluded and
+     the request routed again as a new attempt
   -> incremental detokenization, stop strings -> GenerateResponse chunks; the last one
      has finish_reason (stop | length | abort) and usage
 Client cancel: the decode call is cancelled, which aborts the request downstream.
@@ -38,6 +39,8 @@ log = logging.getLogger("pdmesh.gateway")
 PASS_THROUGH = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                 grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 MAX_ROUTE_ATTEMPTS = 3
+# before any token: the node is gone (not yet expired by the meta-server) or full
+REROUTE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -57,7 +60,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         block size and layout come from the first live node of our model; [] if none yet."""
         if self._hash_args is None:
             try:
-                members = await self.meta.call("ListMembers", meta_pb2.ListMembersRequest(), timeout=2)
+                members = await self.meta.call("ListMembers", meta_pb2.ListMembersRequest(),
+                                               timeout=self.timeouts.route_s)
             except grpc.aio.AioRpcError:
                 return []
             for n in members.nodes:
@@ -107,14 +111,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         client_id = request.request_id
         hashes = await self._block_hashes(ids)
         excluded: list[str] = []
+        refused: tuple[grpc.StatusCode, str] | None = None   # the last decode node's answer
         for attempt in range(MAX_ROUTE_ATTEMPTS):
             rid = uuid.uuid4().hex  # the mesh's id of this attempt
             try:
                 route = await self.meta.route(meta_pb2.RouteRequest(
                     request_id=rid, model_id=self.model_id, num_prompt_tokens=len(ids),
                     block_hashes=hashes, exclude_node_ids=excluded),
-                    timeout=min(self.timeouts.route_s, _remaining(deadline)))
+                    timeout=min(self.timeouts.route_s, _remaining(deadline)), deadline=deadline)
             except grpc.aio.AioRpcError as e:
+                if time.monotonic() >= deadline:
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+                if refused is not None:  # no other decode node: what the last one said
+                    await context.abort(*refused)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"no route for the request: {e.details()}")
             downstream = engine_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids,
                                                   sampling=request.sampling, client_request_id=client_id)
@@ -151,10 +160,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     yield reply
                 return
             except grpc.aio.AioRpcError as e:
-                if (not sent and e.code() == grpc.StatusCode.UNAVAILABLE
-                        and attempt + 1 < MAX_ROUTE_ATTEMPTS):
-                    log.warning("decode node %s unavailable for %s (client id %r; %s); routing again",
-                                route.decode.node_id, rid, client_id, e.details())
+                if (not sent and e.code() in REROUTE and attempt + 1 < MAX_ROUTE_ATTEMPTS
+                        and time.monotonic() < deadline):
+                    log.warning("decode node %s answered %s for %s (client id %r; %s); routing again",
+                                route.decode.node_id, e.code().name, rid, client_id, e.details())
+                    refused = (e.code(), f"decode node {route.decode.node_id}: {e.details()}")
                     excluded.append(route.decode.node_id)
                     continue
                 code = e.code() if e.code() in PASS_THROUGH else grpc.StatusCode.UNAVAILABLE

@@ -8,8 +8,8 @@ between its KV cache and the store's pool.
 The store is an optimisation, never a dependency: every failure (store down, timeout,
 transfer error, another transfer backend) is logged once per outage and reads as a miss
 or a skipped put. Each control call is bounded by timeouts.kv_store_call_s. A transfer
-starts only while its lease (pin or reservation) has more than timeouts.transfer_s left,
-and ends within the rest of it: it never outlives the lease it relies on, and a read that
+starts only while its lease (pin or reservation) has more than timeouts.transfer_bound_s
+left, and ends within it: it never outlives the lease it relies on, and a read that
 does anyway is caught by the slot generations at release.
 
 Thread-safety: event loop only; the transfers run on the node's executor.
@@ -43,6 +43,7 @@ class Pinned:
     endpoint: str
     layout: KVLayout
     expires_at: float              # time.monotonic() when the pin's lease ends
+    unsettled: bool = False        # a read gave up with ranges in flight: they may still land
 
 
 class KVStoreClient:
@@ -101,9 +102,10 @@ class KVStoreClient:
         return pinned
 
     def _time_left(self, expires_at: float) -> float:
-        """Seconds a transfer may take under a lease ending at expires_at; <= 0: do not start."""
+        """The timeout for a transfer under a lease ending at expires_at (the call returns
+        within twice that); 0: too little of the lease is left to start one."""
         left = expires_at - time.monotonic()
-        return min(self.timeouts.transfer_s, left) if left > self.timeouts.transfer_s else 0.0
+        return min(self.timeouts.transfer_s, left / 2) if left > self.timeouts.transfer_bound_s else 0.0
 
     async def fetch(self, pinned: Pinned, first: int, last: int, block_ids: Sequence[int]) -> bool:
         """Read pinned slots [first, last) into the local blocks block_ids; False on failure
@@ -118,6 +120,7 @@ class KVStoreClient:
                     timeout_s=timeout_s))
         except (TransferError, ValueError) as e:
             self._failed("read", e)
+            pinned.unsettled = pinned.unsettled or getattr(e, "unsettled", False)
             return False
         self.num_loaded_blocks += last - first
         return True

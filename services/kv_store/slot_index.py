@@ -216,13 +216,16 @@ class SlotIndex:
         return len(stale_puts), len(stale_pins)
 
     def _make_room(self, num_needed: int) -> list[Entry]:
+        """Evict past the watermarks, counting blocks held (reserved or committed): cooling
+        slots are free again within cool_s, and no eviction frees them sooner."""
         self._uncool(self.clock())
-        if self.num_used + num_needed <= self.high_slots:
+        held = self.num_used - len(self.cooling)
+        if held + num_needed <= self.high_slots:
             return []
         target = max(0, self.low_slots - num_needed)
         evicted = []
         for h in list(self.lru):
-            if self.num_used <= target:
+            if self.num_used - len(self.cooling) <= target:
                 break
             entry = self.entries[h]
             if entry.pins:

@@ -77,7 +77,7 @@ class KVStore:
         t = self.timeouts
         index = SlotIndex(num_slots, self.cfg.high_watermark, self.cfg.low_watermark,
                           t.kv_store_reserve_lease_s, t.kv_store_pin_lease_s, self.clock,
-                          id_prefix=prefix, cool_s=t.transfer_s)
+                          id_prefix=prefix, cool_s=t.transfer_bound_s)
         space = Space(model_id, key[1], index, SlotMemory(layout, num_slots, self.transfer))
         self.spaces[key] = space
         self._by_id_prefix[prefix] = space

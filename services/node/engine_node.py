@@ -58,6 +58,7 @@ class EngineNode:
         self.address = ""
         self.registration: NodeRegistration | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.peer_limits = grpc_util.PeerLimits(grpc_util.MAX_CALLS_PER_PEER)   # calls to peer nodes
 
     def node_info(self) -> common_pb2.NodeInfo:
         stats = self.engine.snapshot()

@@ -10,8 +10,9 @@ prefix-cache hit, `num_cached_tokens`) are never sent. No write starts past the 
 deadline, and each ends within min(timeouts.transfer_s, what remains of it).
 
 `finish` submits what is queued, waits for every write and raises the first
-TransferError; `stop` (cancel, failure) submits nothing more and waits up to transfer_s
-for the writes in flight: True when all of them ended (settled). `settle` waits for them
+TransferError; `stop` (cancel, failure) submits nothing more and waits up to twice the
+transfer timeout (the longest a transfer call runs) for the writes in flight: True when
+all of them ended (settled). `settle` waits for them
 however long they take (before the source blocks may be freed).
 """
 from __future__ import annotations
@@ -86,12 +87,12 @@ class KVPusher:
         return self.bytes_written
 
     async def stop(self) -> bool:
-        """Start no more writes; wait up to transfer_s for those in flight. True when every
-        write has ended (none can land any more)."""
+        """Start no more writes; wait up to 2 x transfer timeout for those in flight. True
+        when every write has ended (none can land any more)."""
         self.stopped = True
         pending = [w for w in self.writes if not w.done()]
         if pending:
-            await asyncio.wait(pending, timeout=self.transfer_timeout_s)
+            await asyncio.wait(pending, timeout=2 * self.transfer_timeout_s)
         return self.settled
 
     @property

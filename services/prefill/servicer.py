@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import OrderedDict
 
 import grpc
 
@@ -39,7 +40,7 @@ from services.prefill.store_prefix import StorePrefix
 
 log = logging.getLogger("pdmesh.prefill")
 SETTLED = ((SETTLED_KEY, "1"),)
-MAX_UNSETTLED = 4096   # remembered requests whose writes may still land (oldest dropped)
+MAX_REMEMBERED = 4096   # unsettled requests and cancelled ids remembered (oldest dropped)
 
 
 class PrefillServicer(engine_pb2_grpc.PrefillServicer):
@@ -47,7 +48,9 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         """node: an EngineNode (engine, sender, executor, layout, kv_store, node, mesh)."""
         self.node = node
         self.inflight: dict[str, tuple[KVPusher, StorePrefix | None]] = {}
-        self.unsettled: dict[str, KVPusher] = {}   # ended, writes possibly in flight
+        # ended with writes possibly in flight: (pusher, until when a write may land)
+        self.unsettled: OrderedDict[str, tuple[KVPusher, float]] = OrderedDict()
+        self.cancelled: OrderedDict[str, None] = OrderedDict()   # refused if they arrive later
         self._releases: set[asyncio.Task] = set()
 
     def _check(self, request) -> tuple[list[int], object, KVLayout]:
@@ -74,6 +77,9 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             prompt, params, dst_layout = self._check(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=SETTLED)
+        if rid in self.cancelled:  # its cancel overtook it
+            await context.abort(grpc.StatusCode.CANCELLED, f"prefill of {rid} was cancelled",
+                                trailing_metadata=SETTLED)
         if engine.num_waiting() >= self.node.node.max_queue:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"prefill node {self.node.node.node_id} has {self.node.node.max_queue} "
@@ -108,7 +114,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         finally:
             self.inflight.pop(rid, None)
             if not finished:  # until its writes ended, CancelPrefill answers from this record
-                self._remember_unsettled(rid, pusher)
+                self._remember_unsettled(rid, pusher, deadline + timeouts.transfer_bound_s)
                 stopping = asyncio.ensure_future(pusher.stop())
             self._release_later(rid, store, pusher, finished)
         if failure is not None:
@@ -121,10 +127,20 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
                                           num_cached_tokens=out.num_cached_tokens,
                                           timing=timing, bytes_written=nbytes)
 
-    def _remember_unsettled(self, request_id: str, pusher: KVPusher) -> None:
-        self.unsettled[request_id] = pusher
-        while len(self.unsettled) > MAX_UNSETTLED:
-            self.unsettled.pop(next(iter(self.unsettled)))
+    def _remember_unsettled(self, request_id: str, pusher: KVPusher, until: float) -> None:
+        """Until `until` (the call's deadline plus the longest a transfer runs) a write of
+        this request may land; past it, none can."""
+        self.unsettled[request_id] = (pusher, until)
+        _bound(self.unsettled)
+
+    def _unsettled_pusher(self, request_id: str) -> KVPusher | None:
+        entry = self.unsettled.get(request_id)
+        if entry is None:
+            return None
+        if time.monotonic() > entry[1]:
+            del self.unsettled[request_id]
+            return None
+        return entry[0]
 
     def _release_later(self, request_id: str, store: StorePrefix | None, pusher: KVPusher,
                        finished: bool) -> None:
@@ -141,7 +157,8 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             if store is not None:
                 await store.finish(put=finished)
         finally:
-            if pusher.settled and self.unsettled.get(request_id) is pusher:
+            entry = self.unsettled.get(request_id)
+            if pusher.settled and entry is not None and entry[0] is pusher:
                 del self.unsettled[request_id]
             try:
                 await self.node.engine.release(request_id)
@@ -149,18 +166,35 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
                 pass  # shutting down: the blocks go with the engine
 
     async def CancelPrefill(self, request, context):
+        """Answers once the writes have ended (or the wait for them timed out); stopping
+        the prefill itself (kv-store read, engine abort) goes on in the background."""
         rid = request.request_id
         entry = self.inflight.get(rid)
         if entry is None:
-            pusher = self.unsettled.get(rid)
+            self.cancelled[rid] = None
+            _bound(self.cancelled)
+            pusher = self._unsettled_pusher(rid)
             settled = pusher is None or await pusher.stop()
             return engine_pb2.CancelPrefillResponse(was_running=False, settled=settled)
         pusher, store = entry
         settled = await pusher.stop()
+        task = asyncio.get_running_loop().create_task(self._abort(rid, store))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+        return engine_pb2.CancelPrefillResponse(was_running=True, settled=settled)
+
+    async def _abort(self, request_id: str, store: StorePrefix | None) -> None:
         if store is not None:
             await store.cancel()  # no store read may land in blocks the abort frees
-        await self.node.engine.abort(rid)
-        return engine_pb2.CancelPrefillResponse(was_running=True, settled=settled)
+        try:
+            await self.node.engine.abort(request_id)
+        except EngineDeadError:
+            pass
 
     async def GetEngineStats(self, request, context):
         return await self.node.engine_stats(pending_transfers=len(self.inflight))
+
+
+def _bound(records: OrderedDict) -> None:
+    while len(records) > MAX_REMEMBERED:
+        records.popitem(last=False)

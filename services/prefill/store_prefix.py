@@ -11,14 +11,18 @@
                          (ReservePut skips those it holds), then the caller frees them
 
 At least one prompt token is always left to compute (its logits give the first token).
-Any store failure is a miss (KVStoreClient), so fill never raises; cancel() returns True
-once no read can land (reads end within timeouts.transfer_s).
+Any store failure is a miss (KVStoreClient): the prompt is computed here. Except a read
+that gave up with ranges still in flight (they may yet land in the blocks): fill raises,
+cancel() answers False and settled() returns after timeouts.transfer_bound_s more, so the
+engine computes the prompt in fresh blocks and quarantines these meanwhile. Otherwise
+cancel() returns True once no read can land.
 """
 from __future__ import annotations
 
 import asyncio
 
 from common.engine.async_engine import KVFilled
+from common.transfer.base import TransferError
 from common.hashing import hash_block_chain
 from services.kv_store.client import KVStoreClient
 
@@ -36,6 +40,7 @@ class StorePrefix:
         self.num_cached_blocks = 0          # local hits + loaded: not computed here
         self._reading: asyncio.Future | None = None
         self._cancelled = False
+        self._unsettled = False
         self._loading = False
 
     async def fill(self, block_ids: list[int], num_cached_tokens: int) -> KVFilled:
@@ -54,6 +59,9 @@ class StorePrefix:
             self._reading = asyncio.ensure_future(
                 self.client.fetch(pinned, first, last, block_ids[first:last]))
             if not await self._reading:
+                if pinned.unsettled:
+                    self._unsettled = True
+                    raise TransferError("a kv-store read gave up with ranges in flight")
                 return KVFilled(num_cached_tokens)
             released = True
             if not await self.client.release(pinned):  # the slots changed during the read
@@ -69,10 +77,10 @@ class StorePrefix:
         self._cancelled = True
         if self._reading is not None:
             await asyncio.wait([self._reading])
-        return True
+        return not self._unsettled
 
     async def settled(self) -> None:
-        return None  # cancel() always confirms
+        await asyncio.sleep(self.client.timeouts.transfer_bound_s)
 
     async def finish(self, put: bool) -> int:
         """After the request: put the full blocks this node computed when `put` (returns how
@@ -82,8 +90,8 @@ class StorePrefix:
             if pinned is not None:
                 await self.client.release(pinned)
             return 0
-        if not put or not self.block_ids:
-            return 0
+        if not put or not self.block_ids or self._unsettled:
+            return 0  # unsettled: the prompt was computed in other blocks than these
         first = self.num_cached_blocks if self.num_loaded_blocks else 0
         bs = self.block_size
         return await self.client.put(self.block_ids[first:len(self.hashes)], self.hashes[first:],

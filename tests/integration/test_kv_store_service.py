@@ -44,7 +44,7 @@ def store(tmp_path_factory, redis):
     raw = {"model": str(root / "unused"), "transfer": {"backend": "mooncake"},
            "kv_store": {"port": port, "capacity_mb": NUM_SLOTS * SLOT_BYTES / (1 << 20), "max_spaces": 3,
                         "high_watermark": 0.8, "low_watermark": 0.5, "redis_url": redis.url},
-           "timeouts": {"transfer_s": 1.0, "kv_store_reserve_lease_s": 2.0, "kv_store_pin_lease_s": 30.0}}
+           "timeouts": {"transfer_s": 0.5, "kv_store_reserve_lease_s": 2.0, "kv_store_pin_lease_s": 30.0}}
     (root / "mesh.yaml").write_text(yaml.safe_dump(raw))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(root / "kv-store.log", "wb") as log:

@@ -103,7 +103,7 @@ def test_uncommitted_put_expires_and_commit_then_fails(cache):
     store.expire()
     s = store.stats()
     assert (s["blocks_used"], s["expired_reservations"]) == (4, 1)   # cooling: a late write may land
-    now[0] = 6.0
+    now[0] = 7.0                      # 2 x transfer_s later
     store.expire()
     assert store.stats()["blocks_used"] == 0
     with pytest.raises(KeyError):

@@ -20,7 +20,7 @@ from services.kv_store.client import KVStoreClient
 from services.kv_store.servicer import KVStoreServicer
 from tests.kv_store_helpers import BLOCK_SIZE, ClientCache, chain, new_store
 
-SHORT = TimeoutConfig(transfer_s=0.2, cancel_ack_s=0.3, prefill_s=1.0, request_s=2.0,
+SHORT = TimeoutConfig(transfer_s=0.2, cancel_ack_s=0.5, prefill_s=1.0, request_s=2.0,
                       kv_store_pin_lease_s=0.5, kv_store_reserve_lease_s=0.5)
 TOKENS = list(range(100, 100 + 2 * BLOCK_SIZE))   # 2 full blocks
 
@@ -103,11 +103,11 @@ def test_a_put_that_outlives_its_reservation_is_a_miss_and_lands_nowhere_in_use(
         await asyncio.sleep(SHORT.kv_store_reserve_lease_s + 0.05)      # the reservation lapses
         store.expire()
         assert store.stats()["expired_reservations"] == 1
-        # its slots cool for transfer_s: with a 2-slot pool nothing else can take them yet
+        # its slots cool for transfer_bound_s: with a 2-slot pool nothing else can take them yet
         assert await writer.client.put([0, 1], hashes, TOKENS) == 0
         late_writer.cache.transfer.release_held()                       # the late bytes land there ...
         assert await putting == 0                                       # ... and its commit is refused
-        await asyncio.sleep(SHORT.transfer_s)
+        await asyncio.sleep(SHORT.transfer_bound_s)
         store.expire()
         assert await writer.client.put([0, 1], hashes, TOKENS) == 2     # now written and committed
         pinned = await reader.client.pin(hashes, TOKENS)

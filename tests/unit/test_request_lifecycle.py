@@ -49,6 +49,13 @@ def assert_idle(engine: LLMEngine) -> None:
             stats["kv_remote"], stats["held"]) == (0, 0, 0, 0, 0, 0), stats
 
 
+async def until_unquarantined(engine: AsyncEngine, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (await engine.stats())["quarantined_blocks"]:
+        assert time.monotonic() < deadline, "the quarantine did not end once the writer settled"
+        await asyncio.sleep(0.01)
+
+
 async def collect(engine: AsyncEngine, rid: str, prompt, params=GREEDY, remote=None) -> list[int]:
     return [t async for out in engine.generate(rid, prompt, params, remote=remote) for t in out.new_token_ids]
 
@@ -152,10 +159,7 @@ def test_blocks_of_an_unconfirmed_cancel_stay_quarantined_until_settled(model, r
             assert all(bm.blocks[b].ref_count == 1 and b not in bm.free_queue for b in remote.block_ids)
             assert (await engine.stats())["quarantined_blocks"] == len(remote.block_ids)
             remote.settle.set()
-            for _ in range(100):
-                if (await engine.stats())["quarantined_blocks"] == 0:
-                    break
-                await asyncio.sleep(0.01)
+            await until_unquarantined(engine)
             return got_other
         finally:
             engine.shutdown()
@@ -181,10 +185,7 @@ def test_failed_fill_with_an_unconfirmed_writer_is_recomputed_in_fresh_blocks(mo
             old = set(remote.block_ids)
             still = (await engine.stats())["quarantined_blocks"]
             remote.settle.set()
-            for _ in range(100):
-                if (await engine.stats())["quarantined_blocks"] == 0:
-                    break
-                await asyncio.sleep(0.01)
+            await until_unquarantined(engine)
             return tokens, seen, still, old
         finally:
             engine.shutdown()
