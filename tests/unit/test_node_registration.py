@@ -47,8 +47,9 @@ def test_a_node_stays_registered_and_reports_its_load(kind, request, run):
         assert type(registration) is {"embedded": RpcRegistration, "etcd": EtcdRegistration}[kind]
         try:
             registration.start()
-            await wait_until(lambda: registry.get("d0") is not None, 2.0, "joined")
-            assert registry.get("d0").info == node.info() and registration.registered
+            # the registry may see the key (watch) a moment before the put returns to the node
+            await wait_until(lambda: registry.get("d0") is not None and registration.registered, 2.0, "joined")
+            assert registry.get("d0").info == node.info()
             node.running = 3
             await wait_until(lambda: registry.get("d0").info.load.running == 3, REPORT_S, "load reported")
             assert registry.remove("d0")
