@@ -66,9 +66,14 @@ def assert_matches_offline(results, expected):
 
 
 def assert_no_blocks_in_use(mesh, timeout_s: float = 5.0):
-    """Every engine node ends with no block used or quarantined and no request in flight."""
+    """Every engine node ends with no block used or quarantined and no request in flight,
+    and the kv-store (when the mesh has one) with no block pinned."""
     deadline = time.monotonic() + timeout_s
     for svc in mesh.services.values():
+        if svc.role == "kv-store" and svc.process.poll() is None:
+            while (pinned := kv_store_stats(svc.address).blocks_pinned) != 0:
+                assert time.monotonic() < deadline, f"the kv-store still pins {pinned} blocks"
+                time.sleep(0.05)
         if svc.role not in ("prefill", "decode", "both") or svc.process.poll() is not None:
             continue
         while True:
@@ -78,6 +83,12 @@ def assert_no_blocks_in_use(mesh, timeout_s: float = 5.0):
                 break
             assert time.monotonic() < deadline, f"{svc.name} still holds blocks: {stats}"
             time.sleep(0.05)
+
+
+def kv_store_stats(address: str):
+    from protos.pdmesh.v1 import kv_store_pb2, kv_store_pb2_grpc
+    with grpc.insecure_channel(address) as ch:
+        return kv_store_pb2_grpc.KVStoreStub(ch).Stats(kv_store_pb2.StatsRequest(), timeout=5)
 
 
 def kv_bytes(model_dir, num_tokens: int) -> int:

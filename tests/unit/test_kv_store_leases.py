@@ -60,7 +60,9 @@ def run(scenario):
         await server.start()
         nodes = [Node(address, seed) for seed in (1, 2, 3)]
         try:
-            return await scenario(store, *nodes)
+            result = await scenario(store, *nodes)
+            assert store.stats()["blocks_pinned"] == 0   # every pin released or lapsed
+            return result
         finally:
             for n in nodes:
                 await n.close()

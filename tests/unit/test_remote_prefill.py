@@ -62,6 +62,17 @@ async def start_held_remote(pair, rid: str, p: list[int]):
     return task, blocks
 
 
+async def leave_with_a_write_in_flight(pair, rid: str, p: list[int]) -> list[int]:
+    """Start a remote prefill of p, hold its first write in flight, then leave the request
+    (the client cancels): the cancel cannot be confirmed, so its blocks are quarantined."""
+    task, blocks = await start_held_remote(pair, rid, p)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await quarantined(pair) == len(blocks)
+    return blocks
+
+
 async def _true(value: bool) -> bool:
     return value
 
@@ -77,11 +88,7 @@ def test_blocks_stay_quarantined_until_the_dead_prefill_node_plus_the_transfer_t
     async def scenario():
         pair = await PrefillPair(model, decode_blocks=16).start()
         try:
-            task, blocks = await start_held_remote(pair, "a", a)
-            task.cancel()                       # the client leaves: cancel, unconfirmed
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            assert await quarantined(pair) == len(blocks)
+            blocks = await leave_with_a_write_in_flight(pair, "a", a)
             got_b = await pair_collect(pair, "b", b, GREEDY)   # runs meanwhile, elsewhere
             bm = pair.decode_engine.block_manager
             assert all(bm.blocks[i].ref_count == 1 and i not in bm.free_queue for i in blocks)
@@ -111,11 +118,7 @@ def test_a_late_write_lands_only_in_quarantined_blocks_then_they_are_freed(model
     async def scenario():
         pair = await PrefillPair(model, decode_blocks=32).start()
         try:
-            task, blocks = await start_held_remote(pair, "a", a)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            assert await quarantined(pair) == len(blocks)
+            blocks = await leave_with_a_write_in_flight(pair, "a", a)
             before = pair.decode_engine.kv_cache[:, :, blocks].clone()
             running_b = asyncio.ensure_future(pair_collect(pair, "b", b, LONG))
             await wait_for(lambda: _true(pair.decode_engine.scheduler.find("b") is not None
