@@ -1,7 +1,7 @@
 """A prefill node inside the test process, for engine-level tests of disaggregation: it
 computes the prompt on its own LLMEngine and copies the KV into the decode engine's
 destination blocks (what a KV push does), then answers the first token. It speaks the
-RemoteKV protocol of common/engine/async_engine.py (fill / cancel / settled)."""
+RemoteKV protocol of common/engine/remote_kv.py (fill / cancel / settled)."""
 from __future__ import annotations
 
 import asyncio
@@ -45,7 +45,7 @@ class InProcessPrefill:
             return first
 
     async def fill(self, block_ids: list[int], num_cached_tokens: int):
-        from common.engine.async_engine import KVFilled
+        from common.engine.remote_kv import KVFilled
         first = await self.run(block_ids, num_cached_tokens)
         return KVFilled(len(self.prompt), first)
 

@@ -38,12 +38,13 @@ import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from common.config import EngineConfig
 from common.engine.lifecycle import RequestState
 from common.engine.llm_engine import LLMEngine, StepOutput
+from common.engine.mailbox import Command, Outbox, running_loop
+from common.engine.remote_kv import KVFilled, RemoteKV
 from common.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("pdmesh.engine")
@@ -53,71 +54,10 @@ class EngineDeadError(RuntimeError):
     """The step loop crashed or the engine is shut down; no request can make progress."""
 
 
-@dataclass(frozen=True)
-class KVFilled:
-    """What a RemoteKV put in the blocks: the KV of the first num_tokens prompt tokens,
-    and the first token when a prefill node sampled it (then num_tokens is the prompt)."""
-
-    num_tokens: int
-    first_token: int | None = None
-
-
-class RemoteKV(Protocol):
-    """One request's KV coming from another node into this node's blocks."""
-
-    async def fill(self, block_ids: list[int], num_cached_tokens: int) -> KVFilled:
-        """Fill the blocks past num_cached_tokens (the local prefix hit). Raise when it
-        failed: the engine then computes the prompt here."""
-
-    async def cancel(self) -> bool:
-        """Stop filling. True once no write can land in the blocks any more; False when
-        that could not be confirmed in time (then settled() says when)."""
-
-    async def settled(self) -> None:
-        """Return once no write can land any more (after cancel returned False)."""
-
-
-class Outbox:
-    """One request's StepOutputs (or an exception), in order; put from any thread, get on
-    the event loop that made it."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = loop
-        self._items: deque = deque()
-        self._lock = threading.Lock()
-        self._waiter: asyncio.Future | None = None
-
-    def put(self, item: StepOutput | BaseException) -> None:
-        with self._lock:
-            self._items.append(item)
-            waiter, self._waiter = self._waiter, None
-        if waiter is None:
-            return
-        if _running_loop() is self._loop:
-            _wake(waiter)
-        else:
-            try:
-                self._loop.call_soon_threadsafe(_wake, waiter)
-            except RuntimeError:  # the loop is closed: nobody reads any more
-                pass
-
-    async def get(self) -> StepOutput | BaseException:
-        while True:
-            with self._lock:
-                if self._items:
-                    return self._items.popleft()
-                waiter = self._waiter = self._loop.create_future()
-            await waiter
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-
-
 class AsyncEngine:
     def __init__(self, engine: LLMEngine | EngineConfig):
         self.engine = engine if isinstance(engine, LLMEngine) else LLMEngine(engine)
-        self._inbox: deque[Callable[[], None]] = deque()
+        self._inbox: deque[Callable[[], None]] = deque()   # Commands (tests queue plain callables)
         self._wake = threading.Condition()       # guards _inbox and _stopped
         self._engine_lock = threading.Lock()     # held while commands or a step run
         self._outboxes: dict[str, Outbox] = {}
@@ -141,7 +81,7 @@ class AsyncEngine:
         thread is idle). EngineDeadError once the engine is shut down or dead."""
         if self._error is not None:
             raise EngineDeadError(str(self._error))
-        command = _Command(fn, asyncio.get_running_loop())
+        command = Command(fn, asyncio.get_running_loop())
         with self._wake:
             self._submit(command)
             if self._engine_lock.acquire(blocking=False):  # idle: drain it here, in order
@@ -326,7 +266,7 @@ class AsyncEngine:
             return
         args = (seq, remote, list(seq.block_ids), seq.num_computed_tokens)
         loop = box._loop
-        if _running_loop() is loop:
+        if running_loop() is loop:
             loop.call_soon(self._start_fill, *args)
             return
         try:
@@ -392,7 +332,7 @@ class AsyncEngine:
             commands = list(self._inbox)
             self._inbox.clear()
         for command in commands:
-            if isinstance(command, _Command):
+            if isinstance(command, Command):
                 command.fail(error)
 
     # ---- step thread --------------------------------------------------------------
@@ -419,53 +359,3 @@ class AsyncEngine:
             for box in list(self._outboxes.values()):
                 box.put(e)
             self._fail_queued(EngineDeadError(str(e)))
-
-
-class _Command:
-    """fn to run on whichever thread holds the engine; its result or exception settles
-    `done` on the caller's loop."""
-
-    def __init__(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop):
-        self.fn, self.loop = fn, loop
-        self.done: asyncio.Future = loop.create_future()
-
-    def __call__(self) -> None:
-        try:
-            result = self.fn()
-        except BaseException as e:  # delivered to the caller
-            self._settle(None, e)
-        else:
-            self._settle(result, None)
-
-    def fail(self, error: BaseException) -> None:
-        self._settle(None, error)
-
-    def _settle(self, result: Any, error: BaseException | None) -> None:
-        if _running_loop() is self.loop:
-            _set(self.done, result, error)
-            return
-        try:
-            self.loop.call_soon_threadsafe(_set, self.done, result, error)
-        except RuntimeError:  # the caller's loop is closed: nobody waits any more
-            pass
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-
-
-def _wake(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
-
-
-def _set(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)

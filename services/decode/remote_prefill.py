@@ -32,7 +32,7 @@ import time
 
 import grpc
 
-from common.engine.async_engine import KVFilled
+from common.engine.remote_kv import KVFilled
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("pdmesh.decode")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 
-from common.engine.async_engine import KVFilled
+from common.engine.remote_kv import KVFilled
 from common.transfer.base import TransferError
 from common.hashing import hash_block_chain
 from services.kv_store.client import KVStoreClient

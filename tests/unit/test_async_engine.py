@@ -11,7 +11,8 @@ import threading
 import pytest
 
 from common.engine import AsyncEngine, SamplingParams
-from common.engine.async_engine import EngineDeadError, KVFilled
+from common.engine.async_engine import EngineDeadError
+from common.engine.remote_kv import KVFilled
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PROMPT = list(range(3, 43))   # 40 tokens: 3 blocks of 16

@@ -1,0 +1,101 @@
+"""The engine's two hand-offs between threads (see common/engine/async_engine.py):
+`Command`, one entry of the inbox, whose result settles a future on the caller's loop;
+`Outbox`, one request's ordered outputs, put from any thread and read on its loop.
+Both act at once when called on their loop's own thread, and never fail because that
+loop has closed (nobody waits any more).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from typing import Any, Callable
+
+
+class Outbox:
+    """One request's StepOutputs (or an exception), in order; put from any thread, get on
+    the event loop that made it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._items: deque = deque()
+        self._lock = threading.Lock()
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item) -> None:
+        """item: a StepOutput, or the exception that ends the stream."""
+        with self._lock:
+            self._items.append(item)
+            waiter, self._waiter = self._waiter, None
+        if waiter is None:
+            return
+        if running_loop() is self._loop:
+            _wake(waiter)
+        else:
+            try:
+                self._loop.call_soon_threadsafe(_wake, waiter)
+            except RuntimeError:  # the loop is closed: nobody reads any more
+                pass
+
+    async def get(self):
+        while True:
+            with self._lock:
+                if self._items:
+                    return self._items.popleft()
+                waiter = self._waiter = self._loop.create_future()
+            await waiter
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+
+class Command:
+    """fn to run on whichever thread holds the engine; its result or exception settles
+    `done` on the caller's loop."""
+
+    def __init__(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop):
+        self.fn, self.loop = fn, loop
+        self.done: asyncio.Future = loop.create_future()
+
+    def __call__(self) -> None:
+        try:
+            result = self.fn()
+        except BaseException as e:  # delivered to the caller
+            self._settle(None, e)
+        else:
+            self._settle(result, None)
+
+    def fail(self, error: BaseException) -> None:
+        self._settle(None, error)
+
+    def _settle(self, result: Any, error: BaseException | None) -> None:
+        if running_loop() is self.loop:
+            _set(self.done, result, error)
+            return
+        try:
+            self.loop.call_soon_threadsafe(_set, self.done, result, error)
+        except RuntimeError:  # the caller's loop is closed: nobody waits any more
+            pass
+
+
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running on this thread, or None."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def _set(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
