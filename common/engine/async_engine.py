@@ -83,9 +83,11 @@ class AsyncEngine:
             raise EngineDeadError(str(self._error))
         command = Command(fn, asyncio.get_running_loop())
         with self._wake:
-            self._submit(command)
-            if self._engine_lock.acquire(blocking=False):  # idle: drain it here, in order
+            if not self._engine_lock.acquire(blocking=False):  # a step runs: queue behind it
+                self._submit(command)
+            else:  # idle: drain it here, in order, without waking the step thread for it
                 try:
+                    self._submit(command, wake=False)
                     self._drain()
                 finally:
                     self._engine_lock.release()
@@ -93,14 +95,15 @@ class AsyncEngine:
                     self._wake.notify()  # the commands left work for a step
         return await command.done
 
-    def _submit(self, command: Callable[[], None]) -> None:
-        """Append command to the inbox and wake the step thread; EngineDeadError once the
+    def _submit(self, command: Callable[[], None], wake: bool = True) -> None:
+        """Append command to the inbox (and wake the step thread); EngineDeadError once the
         engine is shut down."""
         with self._wake:
             if self._stopped:
                 raise EngineDeadError("the engine is shut down")
             self._inbox.append(command)
-            self._wake.notify()
+            if wake:
+                self._wake.notify()
 
     def _drain(self) -> None:
         """Engine lock held: run every queued command in order, delivering what each emits."""
@@ -136,6 +139,9 @@ class AsyncEngine:
     @property
     def block_size(self) -> int:
         return self.engine.block_size
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return self.engine.block_manager.num_blocks_for(num_tokens)
 
     @property
     def model_id(self) -> str:

@@ -61,7 +61,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         engine.validate(request.request_id, prompt, params)
         dst_layout = KVLayout.from_proto(dest.layout)
         self.node.layout.check_compatible(dst_layout)
-        need = -(-len(prompt) // engine.block_size)
+        need = engine.num_blocks_for(len(prompt))
         if len(dest.block_ids) != need:
             raise ValueError(f"destination.block_ids has {len(dest.block_ids)} ids; the "
                              f"{len(prompt)}-token prompt needs {need}")
