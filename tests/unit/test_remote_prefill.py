@@ -158,9 +158,12 @@ def test_a_full_prefill_node_is_refused_at_once_and_the_decode_node_prefills_loc
 
         pair.decode_engine.fail_remote = record_fallback
         try:
-            pair.prefill_transfer.hold()
-            held = [asyncio.ensure_future(pair_collect(pair, rid, p, GREEDY, pair.remote(rid, p, GREEDY)))
-                    for rid, p in (("first", first), ("second", second))]
+            # One after the other: sent together, the second can reach the prefill node while
+            # the first still waits there, and max_queue 1 refuses it instead of the third.
+            first_task, _ = await start_held_remote(pair, "first", first)
+            second_task = asyncio.ensure_future(pair_collect(pair, "second", second, GREEDY,
+                                                             pair.remote("second", second, GREEDY)))
+            held = [first_task, second_task]
             await wait_for(lambda: _true(pair.prefill_node.engine.num_waiting() == 1), what="a queued prefill")
             remote = pair.remote("third", third, GREEDY)
             fill = remote.fill
