@@ -142,6 +142,14 @@ class TimeoutConfig:
                       a miss, and an expired reservation's slots cool for transfer_bound_s
                       before reuse.
     kv_store_lookup_s the meta-server's Lookup at the store under cache_aware.
+    progress_s        the gateway: a decode stream that sent nothing for this long is
+                      checked; when its node's membership is gone (the node is dead or
+                      stopped: no heartbeat for meta_server.ttl_seconds) the request
+                      migrates to another decode node; a live node is waited for again.
+    stall_s           a node whose step loop has queued work but made no step for this
+                      long reports NOT_SERVING and leaves routing until it steps again.
+                      Longer than the longest step (a full prefill chunk), shorter than
+                      request_s.
     """
 
     transfer_s: float = 5.0
@@ -154,6 +162,8 @@ class TimeoutConfig:
     kv_store_pin_lease_s: float = 20.0
     kv_store_reserve_lease_s: float = 30.0
     kv_store_lookup_s: float = 0.05
+    progress_s: float = 2.0
+    stall_s: float = 10.0
 
     @property
     def transfer_bound_s(self) -> float:
@@ -174,6 +184,10 @@ class TimeoutConfig:
                 raise ValueError(
                     f"timeouts.{shorter} ({getattr(self, shorter)}) must be < timeouts.{longer} "
                     f"({getattr(self, longer)}): the order must be {order}")
+        for name in ("progress_s", "stall_s"):
+            if not getattr(self, name) < self.request_s:
+                raise ValueError(f"timeouts.{name} ({getattr(self, name)}) must be < timeouts.request_s "
+                                 f"({self.request_s})")
         for lease in ("kv_store_pin_lease_s", "kv_store_reserve_lease_s"):
             if not self.transfer_bound_s < getattr(self, lease):
                 raise ValueError(f"timeouts.{lease} ({getattr(self, lease)}) must be > 2 x timeouts.transfer_s "
@@ -182,9 +196,18 @@ class TimeoutConfig:
 
 @dataclass(frozen=True)
 class GatewayConfig:
+    """max_migrations: how many times one request may move to another decode node after
+    its stream broke mid-way (the node died or stopped); 0 = never (the client gets
+    UNAVAILABLE)."""
+
     meta_addresses: tuple[str, ...] = ()   # every meta-server, to follow the leader; () = meta_server
     host: str = "127.0.0.1"
     port: int = 50050
+    max_migrations: int = 3
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_migrations, int) or self.max_migrations < 0:
+            raise ValueError(f"gateway.max_migrations must be an integer >= 0, got {self.max_migrations!r}")
 
 
 @dataclass(frozen=True)

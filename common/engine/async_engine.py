@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any, Callable
@@ -68,6 +69,7 @@ class AsyncEngine:
         self._stopped = False
         self._stuck = False   # the last step scheduled nothing (no block free): wait for a command
         self._error: BaseException | None = None
+        self._step_started: float | None = None   # time.monotonic() of the step running now
         self._thread = threading.Thread(target=self._loop, name="pdmesh-engine", daemon=True)
         self._thread.start()
 
@@ -123,6 +125,17 @@ class AsyncEngine:
                 box.put(out)
 
     # ---- what services read (never the scheduler or the block manager) ---------------
+    @property
+    def error(self) -> BaseException | None:
+        """Why the step loop died (None while it runs): no request can make progress."""
+        return self._error
+
+    def step_running_s(self) -> float:
+        """How long the step running now has run (0 when none): a hung kernel or a
+        deadlocked step shows here while every command waits behind it."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
     def validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """ValueError naming the field and its allowed range (nothing is queued)."""
         self.engine.validate_request(request_id, prompt_token_ids, params)
@@ -199,11 +212,12 @@ class AsyncEngine:
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       on_computed: Callable[[Any, int, int], None] | None = None,
-                      remote: RemoteKV | None = None) -> StepOutput:
+                      remote: RemoteKV | None = None, resume_position: int = 0) -> StepOutput:
         """Compute the prompt, sample the first token; the blocks stay HELD until
         release(request_id) (also when this raises after the first token)."""
         async for out in self.generate(request_id, prompt_token_ids, params, remote=remote,
-                                       hold_blocks=True, on_computed=on_computed):
+                                       hold_blocks=True, on_computed=on_computed,
+                                       resume_position=resume_position):
             if out.finished:
                 return out
         raise EngineDeadError(f"prefill of {request_id} ended without a token")
@@ -355,7 +369,12 @@ class AsyncEngine:
                     if stopping:
                         return  # no command is queued after the flag (see _run_on_engine)
                     if self.engine.has_unfinished():
-                        self._deliver(self.engine.step())
+                        self._step_started = time.monotonic()
+                        try:
+                            outs = self.engine.step()
+                        finally:
+                            self._step_started = None
+                        self._deliver(outs)
                         self._stuck = self.engine.last_step_empty
                 finally:
                     self._engine_lock.release()

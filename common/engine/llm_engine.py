@@ -41,7 +41,7 @@ from common.engine.sampling_params import SamplingParams
 from common.engine.lifecycle import RequestState
 from common.engine.scheduler import Scheduler
 from common.engine.sequence import Sequence
-from common.engine.validation import validate_request
+from common.engine.validation import validate_request, validate_resume_position
 from common.hashing import layout_key
 from common.model.config import load_model_config
 from common.model.llama import CausalLM
@@ -143,10 +143,16 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, kv_remote: bool = False, hold_blocks: bool = False,
-                    on_computed: Callable[[Sequence, int, int], None] | None = None) -> Sequence:
+                    on_computed: Callable[[Sequence, int, int], None] | None = None,
+                    resume_position: int = 0) -> Sequence:
+        """resume_position: the request resumes there (migrated): the prompt ends with
+        that many output tokens already streamed, and sampling continues at that output
+        position (0 <= resume_position < len(prompt_token_ids), ValueError otherwise)."""
         self.validate_request(request_id, prompt_token_ids, params)
+        validate_resume_position(resume_position, len(prompt_token_ids))
         seq = Sequence(request_id, list(prompt_token_ids), params, self._arrivals,
-                       kv_remote=kv_remote, hold_blocks=hold_blocks, on_computed=on_computed)
+                       kv_remote=kv_remote, hold_blocks=hold_blocks, on_computed=on_computed,
+                       resume_position=resume_position)
         self._arrivals += 1
         self._requests[request_id] = seq
         self.scheduler.add(seq)
@@ -187,8 +193,6 @@ class LLMEngine:
         if not 0 <= first_token < self.vocab_size:
             raise ValueError(f"first_token {first_token} is outside the vocabulary")
         self.scheduler.kv_landed(seq, len(seq))
-        if seq.generator is not None and not seq.params.greedy:
-            torch.empty(self.vocab_size).exponential_(generator=seq.generator)
         self._append(seq, first_token, None)
         return True
 

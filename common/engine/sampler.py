@@ -1,14 +1,29 @@
 """Token sampling for one step: greedy, temperature, top-k, top-p, per-request seeds.
 
-Random rows use the exponential race (argmax of probs / Exp(1) noise), the noise of a
-seeded request coming from its own torch.Generator. A seeded request therefore draws the
-same noise whatever else is in the batch: same seed -> same tokens, alone or batched.
+Random rows use the exponential race (argmax of probs / Exp(1) noise). The noise of a
+seeded request at output position p comes from a generator seeded with
+position_seed(seed, p): a function of (seed, p) only, not of what ran before. So a seeded
+request draws the same noise alone, batched, after a preemption (recomputed), or resumed
+at position p on another node (migrated): same seed -> same tokens. Unseeded rows share
+the engine's generator.
 """
 from __future__ import annotations
 
 import torch
 
 from common.engine.sequence import Sequence
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 64-bit seed for (seed, output position): splitmix64 of the pair, so that
+    neighbouring positions and seeds get unrelated streams."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -42,10 +57,15 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generato
         top_p = torch.tensor([p.top_p for p in params], dtype=sub.dtype, device=sub.device)
         sub = _apply_top_k_top_p(sub, top_k, top_p)
     probs = sub.softmax(dim=-1)
-    noise = torch.empty_like(probs)
+    noise = torch.empty(probs.shape, dtype=probs.dtype)   # on the CPU, where the generators are
     for j, i in enumerate(rows):
-        noise[j].exponential_(generator=seqs[i].generator or generator)
-    tokens[rows] = (probs / noise).argmax(dim=-1)
+        seq = seqs[i]
+        if seq.params.seed is None:
+            noise[j].exponential_(generator=generator)
+        else:
+            own = torch.Generator().manual_seed(position_seed(seq.params.seed, seq.output_position))
+            noise[j].exponential_(generator=own)
+    tokens[rows] = (probs / noise.to(probs.device)).argmax(dim=-1)
     return tokens.tolist()
 
 

@@ -2,15 +2,16 @@
 only the scheduler changes it.
 
 Token bookkeeping: `token_ids` holds prompt + output. `num_computed_tokens` of them have
-their KV in the cache; the rest are computed by upcoming steps.
+their KV in the cache; the rest are computed by upcoming steps. A resumed request (one
+migrated from another node) has `resume_position` output tokens already at the end of
+its prompt: its next token is sampled as output position resume_position +
+num_output_tokens (the seeded sampler's position, common/engine/sampler.py).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from typing import Callable
-
-import torch
 
 from common.engine.lifecycle import RequestState
 from common.engine.sampling_params import SamplingParams
@@ -30,7 +31,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1          # prefix-cache hit at first admission; -1 = not yet
     num_preemptions: int = 0
-    generator: torch.Generator | None = None
+    resume_position: int = 0             # output tokens the prompt already ends with
     logprobs: list[dict[int, float]] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
@@ -40,8 +41,6 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -49,6 +48,12 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def output_position(self) -> int:
+        """The output position of the token sampled next (counted from the original
+        request's first output token)."""
+        return self.resume_position + self.num_output_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -17,3 +17,11 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     if total > max_model_len:
         raise ValueError(f"prompt length ({len(prompt_token_ids)}) + max_tokens ({params.max_tokens}) "
                          f"= {total} must be <= max_model_len ({max_model_len})")
+
+
+def validate_resume_position(resume_position: int, num_prompt_tokens: int) -> None:
+    """A resumed request's prompt ends with resume_position output tokens: fewer than the
+    prompt (at least one token of the original prompt is left)."""
+    if not 0 <= resume_position < num_prompt_tokens:
+        raise ValueError(f"resume_position must be in [0, {num_prompt_tokens}) (the prompt's length), "
+                         f"got {resume_position}")

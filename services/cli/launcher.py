@@ -36,6 +36,7 @@ class Service:
     args: list[str]
     log_path: Path
     process: subprocess.Popen | None = None
+    env: dict[str, str] = field(default_factory=dict)   # set for this service's process only
 
     @property
     def address(self) -> str:
@@ -67,6 +68,7 @@ class MeshProcesses:
     log_dir: Path
     quiet: bool = False
     services: dict[str, Service] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)   # set for every service's process
 
     def _say(self, line: str) -> None:
         if not self.quiet:
@@ -118,7 +120,8 @@ class MeshProcesses:
                "--port", str(svc.port), "--meta", ",".join(self.meta_addresses), *svc.args]
         if self.kv_store_address:
             cmd += ["--kv-store", self.kv_store_address]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        env = {**os.environ, **self.env, **svc.env,
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         log = open(svc.log_path, "ab")
         svc.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                        start_new_session=True)
@@ -168,9 +171,12 @@ class MeshProcesses:
     def gateway_address(self) -> str:
         return self.services["gateway"].address
 
-    def restart(self, name: str, timeout_s: float = 60.0) -> None:
-        """Start a stopped or killed service again with the same arguments."""
+    def restart(self, name: str, timeout_s: float = 60.0, env: dict[str, str] | None = None) -> None:
+        """Start a stopped or killed service again with the same arguments (and, when
+        given, env as its own environment from now on)."""
         svc = self.services[name]
+        if env is not None:
+            svc.env = dict(env)
         self._spawn(svc)
         wait_healthy(svc.address, timeout_s, svc.process)
         self._say(f"{svc.name:<12} {svc.role:<11} restarted at {svc.address} (pid {svc.process.pid})")

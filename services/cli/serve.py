@@ -83,9 +83,11 @@ async def _serve(args) -> None:
         from services.gateway.server import create_server
         server, _ = await create_server(mesh, args.port)
         stop = server.stop
-    else:
+    failed = asyncio.Event()   # set when the service cannot serve any more
+    if args.role in ("prefill", "decode", "both"):
         from services.node.node_server import create_node_server, stop_node_server
         server, _ = await create_node_server(mesh, _node_config(mesh, args.role, args.node_id), args.port)
+        failed = server.health.failed
 
         async def stop(grace):
             await stop_node_server(server, grace)
@@ -93,8 +95,17 @@ async def _serve(args) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, done.set)
-    await done.wait()
+    waits = [asyncio.ensure_future(done.wait()), asyncio.ensure_future(failed.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
     await stop(1.0)
+    if failed.is_set():
+        raise ServiceFailed(f"{args.role} {args.node_id or ''}: the engine died; exiting for a restart")
+
+
+class ServiceFailed(RuntimeError):
+    """The service stopped serving on its own (e.g. its engine died): exit code 1."""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,4 +115,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}")
         return 2
+    except ServiceFailed as e:
+        print(f"error: {e}", flush=True)
+        return 1
     return 0

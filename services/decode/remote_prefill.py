@@ -76,7 +76,8 @@ class RemotePrefill:
             num_cached_tokens=num_cached_tokens)
         request = engine_pb2.PrefillRequest(request_id=self.request.request_id,
                                             prompt_token_ids=self.request.prompt_token_ids,
-                                            sampling=self.request.sampling, destination=dest)
+                                            sampling=self.request.sampling, destination=dest,
+                                            resume_position=self.request.resume_position)
         for info in self.candidates:
             if self._cancelled:
                 raise asyncio.CancelledError()

@@ -8,6 +8,8 @@ Lifecycle of a Generate RPC here (the request's states: common/engine/lifecycle.
      prefill fails (services/decode/remote_prefill.py); the call's deadline bounds it
   -> continuous-batching decode; one message per new token; the last carries
      finish_reason and usage
+The engine dies (its step loop raised): every request in flight fails UNAVAILABLE, so
+the gateway migrates it (services/node/node_health.py takes the node out of the mesh).
 Client cancel (the gateway cancels the call): the request is aborted; a remote prefill in
 flight is cancelled first, and its blocks are freed once its writes are known to have
 stopped (QUARANTINED until then).
@@ -21,6 +23,7 @@ import grpc
 
 from common.engine.async_engine import EngineDeadError
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from common.engine.validation import validate_resume_position
 from services.convert import sampling_from_proto, usage
 from services.decode.remote_prefill import RemotePrefill
 from services.node.engine_node import EngineNode
@@ -38,6 +41,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         try:
             params = sampling_from_proto(request.sampling)
             engine.validate(rid, prompt, params)
+            validate_resume_position(request.resume_position, len(prompt))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if engine.num_waiting() >= self.node.node.max_queue:
@@ -52,7 +56,8 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         num_out = 0
         start = time.perf_counter()
         try:
-            async for out in engine.generate(rid, prompt, params, remote=remote):
+            async for out in engine.generate(rid, prompt, params, remote=remote,
+                                             resume_position=request.resume_position):
                 reply = engine_pb2.DecodeResponse(token_ids=out.new_token_ids)
                 if num_out == 0:
                     reply.prefill_timing.CopyFrom(self._timing(remote, out, time.perf_counter() - start))
@@ -67,7 +72,8 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
-            await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {e}")
+            # UNAVAILABLE: the gateway moves the request to another decode node
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode node engine failed: {e}")
 
     @staticmethod
     def _timing(remote, out, elapsed_s: float) -> common_pb2.PrefillTiming:

@@ -24,7 +24,7 @@ async def create_server(mesh: MeshConfig, port: int | None = None):
     servicer = GatewayServicer(Tokenizer.from_dir(mesh.model), mesh.resolved_model_id,
                                mcfg.vocab_size, max_model_len(mesh, mcfg.max_position_embeddings),
                                list(mesh.gateway.meta_addresses) or [mesh.meta.address],
-                               mesh.timeouts)
+                               mesh.timeouts, mesh.gateway.max_migrations)
     server = grpc_util.new_server()
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
     health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])

@@ -1,56 +1,40 @@
 """Gateway servicer: the public pdmesh.v1.Gateway API.
 
-Lifecycle of a Generate RPC:
-  validate + tokenize (INVALID_ARGUMENT naming the field)
-  -> the request's deadline: timeouts.request_s, or the client's own deadline if sooner;
-     every hop below gets what remains of it
-  -> per attempt, a mesh request id minted here (the client's request_id is kept for logs
-     only, so two clients may use the same one)
-  -> Route at the meta-server with the prompt's block hashes (UNAVAILABLE when no decode
-     node) -> the decode node's Generate stream (it prefills locally or through the
-     prefill node, falling back to the other prefill nodes the route lists); a decode node
-     that is UNAVAILABLE before sending anything (e.g. just died, not yet expired by the
-     meta-server) or full (RESOURCE_EXHAUSTED) before sending anything is excluded and
-     the request routed again as a new attempt
-  -> incremental detokenization, stop strings -> GenerateResponse chunks; the last one
-     has finish_reason (stop | length | abort) and usage
-Client cancel: the decode call is cancelled, which aborts the request downstream.
+Generate: validate + tokenize (INVALID_ARGUMENT naming the field), then one
+RequestStream (services/gateway/request_stream.py: routing, the decode stream,
+detokenization and stop strings, rerouting and migration to another decode node when the
+one serving the request dies). Client cancel: the decode call is cancelled, which aborts
+the request downstream.
 """
 from __future__ import annotations
 
 import logging
 import time
-import uuid
 
 import grpc
 
 from common.config import TimeoutConfig
-from common.engine.stop_strings import StopStringMatcher
 from common.hashing import hash_block_chain, layout_key
-from common.model.detokenizer import IncrementalDetokenizer
 from common.model.tokenizer import Tokenizer
-from protos.pdmesh.v1 import engine_pb2, gateway_pb2, gateway_pb2_grpc, meta_pb2
+from protos.pdmesh.v1 import gateway_pb2, gateway_pb2_grpc, meta_pb2
 from services.gateway.decode_client import DecodeClient
+from services.gateway.request_stream import GatewayAbort, RequestStream
 from services.gateway.meta_client import MetaClient
 from common.engine.validation import validate_request
 from services.convert import sampling_from_proto
 
 log = logging.getLogger("pdmesh.gateway")
-PASS_THROUGH = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-MAX_ROUTE_ATTEMPTS = 3
-# before any token: the node is gone (not yet expired by the meta-server) or full
-REROUTE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, tokenizer: Tokenizer, model_id: str, vocab_size: int, max_model_len: int,
-                 meta_addresses: list[str] | str, timeouts: TimeoutConfig = TimeoutConfig()):
+                 meta_addresses: list[str] | str, timeouts: TimeoutConfig = TimeoutConfig(),
+                 max_migrations: int = 3):
         self.tokenizer, self.model_id = tokenizer, model_id
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         if isinstance(meta_addresses, str):
             meta_addresses = [meta_addresses]
-        self.timeouts = timeouts
+        self.timeouts, self.max_migrations = timeouts, max_migrations
         self.meta = MetaClient(meta_addresses, timeouts.meta_follow_s)
         self.decode = DecodeClient()
         self._hash_args: tuple[int, str, str] | None = None   # block_size, model_id, layout
@@ -107,70 +91,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             ids, params = self._validate(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        deadline = self._deadline(context)
-        client_id = request.request_id
-        hashes = await self._block_hashes(ids)
-        excluded: list[str] = []
-        refused: tuple[grpc.StatusCode, str] | None = None   # the last decode node's answer
-        for attempt in range(MAX_ROUTE_ATTEMPTS):
-            rid = uuid.uuid4().hex  # the mesh's id of this attempt
-            try:
-                route = await self.meta.route(meta_pb2.RouteRequest(
-                    request_id=rid, model_id=self.model_id, num_prompt_tokens=len(ids),
-                    block_hashes=hashes, exclude_node_ids=excluded),
-                    timeout=min(self.timeouts.route_s, _remaining(deadline)), deadline=deadline)
-            except grpc.aio.AioRpcError as e:
-                if time.monotonic() >= deadline:
-                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
-                if refused is not None:  # no other decode node: what the last one said
-                    await context.abort(*refused)
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"no route for the request: {e.details()}")
-            downstream = engine_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids,
-                                                  sampling=request.sampling, client_request_id=client_id)
-            if not route.local_prefill:
-                downstream.prefill.CopyFrom(route.prefill)
-                downstream.prefill_fallbacks.extend(route.prefill_fallbacks)
-            call = self.decode.generate(route.decode.address, downstream, _remaining(deadline))
-            detok = IncrementalDetokenizer(self.tokenizer, ids)
-            matcher = StopStringMatcher(params.stop)
-            num_out = 0
-            sent = False
-            try:
-                async for msg in call:
-                    text, stopped = matcher.feed(detok.add(msg.token_ids))
-                    reply = gateway_pb2.GenerateResponse(token_ids=msg.token_ids)
-                    if num_out == 0:
-                        reply.prefill_timing.CopyFrom(msg.prefill_timing)
-                    num_out += len(msg.token_ids)
-                    sent = True
-                    if stopped:
-                        reply.text, reply.finish_reason = text, "stop"
-                        reply.usage.CopyFrom(msg.usage)
-                        reply.usage.prompt_tokens, reply.usage.completion_tokens = len(ids), num_out
-                        yield reply
-                        return
-                    if msg.finish_reason:
-                        tail, _ = matcher.feed(detok.flush())
-                        reply.text = text + tail + matcher.flush()
-                        reply.finish_reason = msg.finish_reason
-                        reply.usage.CopyFrom(msg.usage)
-                        yield reply
-                        return
-                    reply.text = text
-                    yield reply
-                return
-            except grpc.aio.AioRpcError as e:
-                if (not sent and e.code() in REROUTE and attempt + 1 < MAX_ROUTE_ATTEMPTS
-                        and time.monotonic() < deadline):
-                    log.warning("decode node %s answered %s for %s (client id %r; %s); routing again",
-                                route.decode.node_id, e.code().name, rid, client_id, e.details())
-                    refused = (e.code(), f"decode node {route.decode.node_id}: {e.details()}")
-                    excluded.append(route.decode.node_id)
-                    continue
-                code = e.code() if e.code() in PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
-                await context.abort(code, f"decode node {route.decode.node_id}: {e.details()}")
-            finally:
-                call.cancel()
+        stream = RequestStream(meta=self.meta, decode=self.decode, timeouts=self.timeouts,
+                               max_migrations=self.max_migrations, model_id=self.model_id,
+                               tokenizer=self.tokenizer, prompt_ids=ids, params=params, request=request,
+                               deadline=self._deadline(context), block_hashes=self._block_hashes)
+        try:
+            async for reply in stream.replies():
+                yield reply
+        except GatewayAbort as e:
+            await context.abort(e.code, e.details)
 
     async def Tokenize(self, request, context):
         try:
@@ -188,8 +117,3 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         await self.meta.close()
         await self.decode.close()
 
-
-def _remaining(deadline: float) -> float:
-    """Seconds left until deadline; a tiny positive value once it passed (the call then
-    fails DEADLINE_EXCEEDED at once)."""
-    return max(deadline - time.monotonic(), 1e-3)

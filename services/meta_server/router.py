@@ -1,7 +1,8 @@
 """Routing: pick the decode node and the prefill node (or local prefill) of a request.
 
-Candidates are the live members serving the model, minus drained nodes and the request's
-excluded ones (nodes that already failed it). Policies, per tier (decode, prefill):
+Candidates are the live members serving the model, minus drained nodes, stalled ones
+(their step loop reported no progress: NodeLoad.stalled) and the request's excluded ones
+(nodes that already failed it). Policies, per tier (decode, prefill):
   round_robin  in turn by node id, one turn counter per tier.
   least_load   lowest Member.load_score() (running + waiting at the last heartbeat +
                routed since + fraction of blocks used); ties by node id.
@@ -93,7 +94,7 @@ class Router:
         """Choose among `members` (the live ones); NoNodeError if no decode node fits."""
         check_policy(policy)
         skip = drained | request.exclude_node_ids
-        usable = [m for m in members if m.node_id not in skip
+        usable = [m for m in members if m.node_id not in skip and not m.info.load.stalled
                   and (not request.model_id or m.info.model_id == request.model_id)]
         decodes = [m for m in usable if m.role in ("decode", "both")]
         if not decodes:

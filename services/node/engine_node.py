@@ -57,6 +57,7 @@ class EngineNode:
                                           self.sender, self.executor, mesh.timeouts)
         self.address = ""
         self.registration: NodeRegistration | None = None
+        self.stalled = False        # set by NodeHealth: reported in load.stalled
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.peer_limits = grpc_util.PeerLimits(grpc_util.MAX_CALLS_PER_PEER)   # calls to peer nodes
 
@@ -68,11 +69,10 @@ class EngineNode:
             transfer_endpoint=self.transfer.endpoint, kv_layout=self.layout.to_proto(),
             load=self.load(stats), max_model_len=self.engine.max_model_len)
 
-    @staticmethod
-    def load(stats: dict[str, int]) -> common_pb2.NodeLoad:
+    def load(self, stats: dict[str, int]) -> common_pb2.NodeLoad:
         return common_pb2.NodeLoad(running=stats["running"] + stats["kv_remote"],
                                    waiting=stats["waiting"], free_blocks=stats["free_blocks"],
-                                   total_blocks=stats["total_blocks"])
+                                   total_blocks=stats["total_blocks"], stalled=self.stalled)
 
     async def engine_stats(self, pending_transfers: int = 0) -> engine_pb2.EngineStats:
         s = await self.engine.stats()

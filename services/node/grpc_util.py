@@ -67,8 +67,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+# gRPC's reconnect back-off grows to 120 s by default: a peer that restarted would stay
+# unreachable for seconds after it is back. Capped so that a restarted node or
+# meta-server is dialled again within half a second.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]
+
+
 def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:

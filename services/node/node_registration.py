@@ -11,7 +11,7 @@ registry (services/meta_server/registry):
                     with the current load each time; close() revokes the lease.
 
 Lifecycle: start() (a task of the running loop; returns at once) -> report every TTL/3
--> close(). Never raises because the meta-server or etcd is away: it logs and retries.
+(every RETRY_S while not registered; at once after report_now()) -> close(). Never raises because the meta-server or etcd is away: it logs and retries.
 `is_member(role, node_id)` asks whether another node is in the mesh now (its lease has
 not lapsed): True / False, or None when that cannot be told now.
 `node_info` is called for every report and returns the node's current NodeInfo.
@@ -32,23 +32,36 @@ from services.node import grpc_util
 log = logging.getLogger("pdmesh.node")
 
 NodeInfoFn = Callable[[], common_pb2.NodeInfo]
+# While not registered (the meta-server restarted, or was away), try again this often: a
+# restarted meta-server has every live node back within a second.
+RETRY_S = 0.25
 
 
 class NodeRegistration(abc.ABC):
     def __init__(self, node_info: NodeInfoFn, ttl_s: float):
         self.node_info, self.ttl_s = node_info, ttl_s
         self._task: asyncio.Task | None = None
+        self._now = asyncio.Event()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="node registration")
 
+    def report_now(self) -> None:
+        """Report at once instead of at the next TTL/3 tick (the node's state changed)."""
+        self._now.set()
+
     async def _run(self) -> None:
         while True:
+            self._now.clear()
             try:
                 await self._report()
             except Exception:
                 log.exception("node registration: report failed; retrying")
-            await asyncio.sleep(self.ttl_s / 3)
+            interval = self.ttl_s / 3 if self.registered else min(self.ttl_s / 3, RETRY_S)
+            try:
+                await asyncio.wait_for(self._now.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
 
     @property
     @abc.abstractmethod

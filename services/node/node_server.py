@@ -1,5 +1,6 @@
 """Shared start-up of engine nodes (prefill, decode, both): load the engine, bind, serve
-the role's servicer plus health and reflection, then join the mesh."""
+the role's servicer plus health and reflection, join the mesh, then watch the engine
+(services/node/node_health.py: `server.health.failed` is set when it died)."""
 from __future__ import annotations
 
 import logging
@@ -8,6 +9,8 @@ from common.config import MeshConfig, NodeConfig
 from protos.pdmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.node import grpc_util
 from services.node.engine_node import EngineNode
+from services.node.fault_injection import install_fault_injection
+from services.node.node_health import NodeHealth
 
 log = logging.getLogger("pdmesh.node")
 SERVICES = engine_pb2.DESCRIPTOR.services_by_name
@@ -32,11 +35,15 @@ async def create_node_server(mesh: MeshConfig, node_cfg: NodeConfig, port: int |
     node.start(f"{node_cfg.advertised_host}:{bound}")
     await grpc_util.mark_serving(health, names)
     server.node = node
+    server.health = NodeHealth(node, health, names)
+    server.health.start()
+    install_fault_injection(node)
     log.info("%s node %s serving at %s:%d (transfer %s at %s)", node_cfg.role, node_cfg.node_id,
              node_cfg.host, bound, node.transfer.name, node.transfer.endpoint)
     return server, bound
 
 
 async def stop_node_server(server, grace: float = 1.0) -> None:
+    await server.health.close()
     await server.stop(grace)
     await server.node.close()

@@ -33,6 +33,7 @@ from common.engine.async_engine import EngineDeadError
 from common.transfer.base import TransferError
 from common.transfer.layout import KVLayout
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from common.engine.validation import validate_resume_position
 from services.convert import sampling_from_proto
 from services.decode.remote_prefill import SETTLED_KEY
 from services.prefill.kv_push import KVPusher
@@ -59,6 +60,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         prompt, dest = list(request.prompt_token_ids), request.destination
         params = dataclasses.replace(sampling_from_proto(request.sampling), max_tokens=1, stop=[])
         engine.validate(request.request_id, prompt, params)
+        validate_resume_position(request.resume_position, len(prompt))
         dst_layout = KVLayout.from_proto(dest.layout)
         self.node.layout.check_compatible(dst_layout)
         need = engine.num_blocks_for(len(prompt))
@@ -98,7 +100,8 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         finished = False
         failure: tuple[grpc.StatusCode, str] | None = None
         try:
-            out = await engine.prefill(rid, prompt, params, on_computed=pusher.on_computed, remote=store)
+            out = await engine.prefill(rid, prompt, params, on_computed=pusher.on_computed, remote=store,
+                                       resume_position=request.resume_position)
             if out.finish_reason == "abort" or not out.new_token_ids:  # CancelPrefill meanwhile
                 failure = (grpc.StatusCode.CANCELLED, f"prefill of {rid} was cancelled")
             else:

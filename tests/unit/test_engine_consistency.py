@@ -124,3 +124,53 @@ def test_text_prompt_and_stop_string(model, llm_factory):
                                                              ignore_eos=True, stop=[stop]))[0].outputs[0]
     assert cut.text == text[:text.index(stop)]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
+
+
+SEEDED = SamplingParams(max_tokens=30, temperature=0.8, seed=7, ignore_eos=True)
+
+
+def run_engine(engine, requests: dict[str, tuple[list[int], SamplingParams, int]]) -> dict[str, list[int]]:
+    """Step engine (an LLMEngine) until every request ends; requests: id -> (prompt,
+    params, resume_position). Returns id -> output tokens."""
+    got: dict[str, list[int]] = {rid: [] for rid in requests}
+    for rid, (p, params, resume) in requests.items():
+        engine.add_request(rid, p, params, resume_position=resume)
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+    return got
+
+
+def test_seeded_sampling_survives_preemption(model, llm_factory, target):
+    alone = llm_factory(model, enable_prefix_caching=False).generate(
+        {"prompt_token_ids": target}, SEEDED)[0].outputs[0].token_ids
+    llm = llm_factory(model, block_size=BLOCK_SIZE, num_blocks=384 // BLOCK_SIZE, max_model_len=384)
+    before = llm.engine.scheduler.num_preemptions
+    prompts = [target[:150]] + [p[:150] for p in batch_prompts(1000, n=5, seed=9)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [SEEDED] + [GREEDY] * 5)
+    assert llm.engine.scheduler.num_preemptions > before
+    assert outs[0].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize("position", [1, 7, 29])
+def test_a_seeded_request_resumed_at_position_k_draws_what_it_would_have(model, llm_factory, target, position):
+    """What migration does: prompt + the first k tokens, max_tokens - k more, resumed at
+    output position k, on another engine and in a batch: the remaining tokens are the same."""
+    whole = llm_factory(model, enable_prefix_caching=False).generate(
+        {"prompt_token_ids": target}, SEEDED)[0].outputs[0].token_ids
+    other = llm_factory(model, enable_prefix_caching=False).engine
+    rest = SamplingParams(max_tokens=SEEDED.max_tokens - position, temperature=0.8, seed=7, ignore_eos=True)
+    noisy = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    got = run_engine(other, {"resumed": (target + whole[:position], rest, position),
+                             **{f"other-{i}": (p, noisy, 0) for i, p in enumerate(batch_prompts(1000, n=3))}})
+    assert got["resumed"] == whole[position:]
+    # not resumed (position 0 at that prompt): a different draw, so the position matters
+    fresh = run_engine(other, {"fresh": (target + whole[:position], rest, 0)})["fresh"]
+    assert fresh != whole[position:]
+
+
+def test_resume_position_must_be_inside_the_prompt(model, llm_factory, target):
+    engine = llm_factory(model, enable_prefix_caching=False).engine
+    with pytest.raises(ValueError, match=r"resume_position must be in \[0, 150\)"):
+        engine.add_request("bad", target, SEEDED, resume_position=150)
+    assert not engine.has_unfinished()

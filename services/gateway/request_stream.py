@@ -1,0 +1,197 @@
+"""One Generate request at the gateway, across the decode nodes that serve it.
+
+Lifecycle (one RequestStream per client call; `replies()` yields GenerateResponses):
+  attempt: a mesh request id minted here -> Route (excluding the nodes that failed this
+    request) -> the decode node's stream -> per message: detokenize, stop strings, reply
+  the attempt ends without a finish:
+    refused: UNAVAILABLE or RESOURCE_EXHAUSTED before the attempt's first token (the node
+      just died and is not yet expired, or it is full) -> exclude it, next attempt (at
+      most MAX_REFUSALS in all)
+    broken: UNAVAILABLE after tokens (the node died, or its engine failed), or no message
+      for timeouts.progress_s while the node's membership is gone (stopped, hung) ->
+      migrate: exclude it, next attempt with prompt = the original prompt + every token
+      the client has, max_tokens = what remains, resume_position = tokens so far (so a
+      seeded request draws what it would have), and what remains of the deadline; at
+      most gateway.max_migrations. The client's stream has no seam: detokenizer and stop
+      strings live here and carry on; usage counts the original prompt and every token.
+  anything else -> GatewayAbort with the status (UNAVAILABLE for unknown ones)
+Deadline: timeouts.request_s, or the client's own if sooner; every hop gets what remains.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from common.config import TimeoutConfig
+from common.engine.stop_strings import StopStringMatcher
+from common.model.detokenizer import IncrementalDetokenizer
+from protos.pdmesh.v1 import common_pb2, engine_pb2, gateway_pb2, meta_pb2
+from services.gateway.decode_client import DecodeClient
+from services.gateway.meta_client import MetaClient
+
+log = logging.getLogger("pdmesh.gateway")
+PASS_THROUGH = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+MAX_REFUSALS = 3
+REFUSED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+BROKEN = (grpc.StatusCode.UNAVAILABLE,)
+
+
+class GatewayAbort(Exception):
+    """End the client's call with this status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class NodeStopped(Exception):
+    """The decode stream sent nothing for progress_s and its node left the mesh."""
+
+
+class RequestStream:
+    def __init__(self, *, meta: MetaClient, decode: DecodeClient, timeouts: TimeoutConfig,
+                 max_migrations: int, model_id: str, tokenizer, prompt_ids: list[int], params,
+                 request: gateway_pb2.GenerateRequest, deadline: float, block_hashes):
+        self.meta, self.decode, self.timeouts = meta, decode, timeouts
+        self.max_migrations, self.model_id = max_migrations, model_id
+        self.prompt_ids, self.params, self.request, self.deadline = prompt_ids, params, request, deadline
+        self.block_hashes = block_hashes          # async (token ids) -> block hash chain
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.matcher = StopStringMatcher(params.stop)
+        self.tokens: list[int] = []               # every token the client has
+        self.excluded: list[str] = []
+        self.refusals = 0
+        self.migrations = 0
+        self.last_refusal: tuple[grpc.StatusCode, str] | None = None
+
+    async def replies(self) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        while True:
+            route = await self._route()
+            node = route.decode
+            call = self.decode.generate(node.address, self._downstream(route), _remaining(self.deadline))
+            sent_here = 0
+            try:
+                async for msg in self._watched(call, node.node_id):
+                    reply, done = self._reply(msg, first=not self.tokens)
+                    sent_here += len(msg.token_ids)
+                    yield reply
+                    if done:
+                        return
+                raise GatewayAbort(grpc.StatusCode.UNAVAILABLE,
+                                   f"decode node {node.node_id} ended the stream without a finish")
+            except grpc.aio.AioRpcError as e:
+                self._after_failure(node.node_id, sent_here, e.code(), e.details())
+            except NodeStopped as e:
+                self._after_failure(node.node_id, sent_here, grpc.StatusCode.UNAVAILABLE, str(e))
+            finally:
+                call.cancel()
+
+    # ---- one attempt -------------------------------------------------------------------
+    async def _route(self) -> meta_pb2.RouteResponse:
+        prompt = self.prompt_ids + self.tokens
+        try:
+            return await self.meta.route(meta_pb2.RouteRequest(
+                request_id=uuid.uuid4().hex, model_id=self.model_id, num_prompt_tokens=len(prompt),
+                block_hashes=await self.block_hashes(prompt), exclude_node_ids=self.excluded),
+                timeout=min(self.timeouts.route_s, _remaining(self.deadline)), deadline=self.deadline)
+        except grpc.aio.AioRpcError as e:
+            if time.monotonic() >= self.deadline:
+                raise GatewayAbort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+            if self.last_refusal is not None:   # no other decode node: what the last one said
+                raise GatewayAbort(*self.last_refusal)
+            raise GatewayAbort(grpc.StatusCode.UNAVAILABLE, f"no route for the request: {e.details()}")
+
+    def _downstream(self, route: meta_pb2.RouteResponse) -> engine_pb2.DecodeRequest:
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(self.request.sampling)
+        sampling.max_tokens = self.params.max_tokens - len(self.tokens)
+        out = engine_pb2.DecodeRequest(
+            request_id=uuid.uuid4().hex,  # the mesh's id of this attempt
+            prompt_token_ids=self.prompt_ids + self.tokens, sampling=sampling,
+            client_request_id=self.request.request_id, resume_position=len(self.tokens))
+        if not route.local_prefill:
+            out.prefill.CopyFrom(route.prefill)
+            out.prefill_fallbacks.extend(route.prefill_fallbacks)
+        return out
+
+    async def _watched(self, call, node_id: str) -> AsyncIterator[engine_pb2.DecodeResponse]:
+        """call's messages; NodeStopped when none came for progress_s and node_id is no
+        longer a member (a live but slow node is waited for: e.g. a long queue)."""
+        while True:
+            nxt = asyncio.ensure_future(call.__anext__())
+            try:
+                while not (await asyncio.wait({nxt}, timeout=self.timeouts.progress_s))[0]:
+                    if await self._left_the_mesh(node_id):
+                        raise NodeStopped(f"decode node {node_id} sent nothing for "
+                                          f"{self.timeouts.progress_s:g}s and left the mesh")
+            except BaseException:
+                nxt.cancel()
+                raise
+            try:
+                msg = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield msg
+
+    async def _left_the_mesh(self, node_id: str) -> bool:
+        """True when the meta-server says node_id is not a member; False when it is, or
+        when that cannot be told now (keep waiting: the deadline still bounds the call)."""
+        try:
+            members = await self.meta.call("ListMembers", meta_pb2.ListMembersRequest(),
+                                           timeout=min(self.timeouts.route_s, _remaining(self.deadline)),
+                                           deadline=self.deadline)
+        except grpc.aio.AioRpcError:
+            return False
+        return all(n.node_id != node_id for n in members.nodes)
+
+    def _reply(self, msg: engine_pb2.DecodeResponse, first: bool) -> tuple[gateway_pb2.GenerateResponse, bool]:
+        """The client's message for msg, and whether it is the last one."""
+        text, stopped = self.matcher.feed(self.detok.add(msg.token_ids))
+        reply = gateway_pb2.GenerateResponse(token_ids=msg.token_ids)
+        if first:
+            reply.prefill_timing.CopyFrom(msg.prefill_timing)
+        self.tokens.extend(msg.token_ids)
+        if stopped:
+            reply.text, reply.finish_reason = text, "stop"
+        elif msg.finish_reason:
+            tail, _ = self.matcher.feed(self.detok.flush())
+            reply.text, reply.finish_reason = text + tail + self.matcher.flush(), msg.finish_reason
+        else:
+            reply.text = text
+            return reply, False
+        reply.usage.CopyFrom(msg.usage)
+        reply.usage.prompt_tokens, reply.usage.completion_tokens = len(self.prompt_ids), len(self.tokens)
+        reply.migrations = self.migrations
+        return reply, True
+
+    def _after_failure(self, node_id: str, sent_here: int, code: grpc.StatusCode, details: str) -> None:
+        """The attempt on node_id failed: return to try the next one, or raise GatewayAbort."""
+        public = f"decode node {node_id}: {details}"
+        in_time = time.monotonic() < self.deadline
+        if sent_here == 0 and code in REFUSED and self.refusals + 1 < MAX_REFUSALS and in_time:
+            self.refusals += 1
+            log.warning("decode node %s answered %s for client id %r (%s); routing again",
+                        node_id, code.name, self.request.request_id, details)
+            self.last_refusal = (code, public)
+            self.excluded.append(node_id)
+            return
+        if sent_here > 0 and code in BROKEN and self.migrations < self.max_migrations and in_time:
+            self.migrations += 1
+            log.warning("decode node %s broke the stream of client id %r after %d tokens (%s %s); "
+                        "migrating (%d of at most %d)", node_id, self.request.request_id, len(self.tokens),
+                        code.name, details, self.migrations, self.max_migrations)
+            self.excluded.append(node_id)
+            return
+        raise GatewayAbort(code if code in PASS_THROUGH else grpc.StatusCode.UNAVAILABLE, public)
+
+
+def _remaining(deadline: float) -> float:
+    """Seconds left until deadline; a tiny positive value once it passed (the call then
+    fails DEADLINE_EXCEEDED at once)."""
+    return max(deadline - time.monotonic(), 1e-3)

@@ -1,0 +1,189 @@
+"""The fault matrix: each case injects one fault into a serving mesh (real processes,
+Mooncake over TCP) while the 32 requests of tests/faults/workload.py stream, then
+asserts every request completed with the offline engine's tokens (no case here may fail
+one: each fault leaves a node that can serve), none hung, and every live node ends with no
+block in use or QUARANTINED and the kv-store with no pin. Each case adds a row to the
+table (tests/faults/conftest.py). Cases marked long_fault (a 10 s stop) can be skipped
+locally: make test PYTEST_ARGS="-m 'not long_fault'".
+
+Mesh A: meta-server (embedded registry), kv-store, prefill-0, decode-0, decode-1.
+Mesh B: etcd, meta-server leader + standby, prefill-0, decode-0.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from tests.faults.conftest import busiest_decode, members, restart_exited, wait_members
+from tests.faults.workload import Workload
+from tests.integration.conftest import engine_stats
+from tests.integration.test_mesh import assert_no_blocks_in_use
+
+MESH_A = (("prefill", "prefill-0"), ("decode", "decode-0"), ("decode", "decode-1"))
+KV_STORE = {"kv_store": {"port": 0, "capacity_mb": 64}}
+STOP_S = 10.0
+LEAK_WAIT_S = 20.0    # quarantined blocks wait for a lease (2 s) + 2 x transfer_s, a stopped node for SIGCONT
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def work(model):
+    return Workload(model)
+
+
+@pytest.fixture(scope="module")
+def mesh_a(model, fault_mesh):
+    return fault_mesh(model, MESH_A, KV_STORE)
+
+
+@pytest.fixture(scope="module")
+def baseline_a(mesh_a, work, fault_table):
+    outcomes, _ = asyncio.run(work.run(mesh_a.gateway_address))
+    fault_table.append(work.row("none (baseline)", outcomes, outcomes))
+    return outcomes
+
+
+async def until(predicate, timeout_s: float = 60.0, what: str = "the moment") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"never reached {what}"
+        await asyncio.sleep(0.01)
+
+
+def mid_stream(progress) -> bool:
+    """Every request has tokens, and a quarter of all of them have streamed."""
+    return min(progress.tokens) > 0 and progress.total >= 32 * 30
+
+
+def pid(mesh, name: str) -> int:
+    return mesh.services[name].process.pid
+
+
+def kv_remote(mesh) -> int:
+    return sum(engine_stats(s.address, "decode").kv_remote for s in mesh.services.values() if s.role == "decode")
+
+
+def finish(mesh, work, fault_table, case: str, outcomes, baseline, **row_args) -> dict:
+    row = work.row(case, outcomes, baseline, **row_args)
+    fault_table.append(row)
+    assert_no_blocks_in_use(mesh, timeout_s=LEAK_WAIT_S)
+    return row
+
+
+def test_decode_node_killed_mid_stream(mesh_a, work, baseline_a, fault_table):
+    async def fault(progress):
+        await until(lambda: mid_stream(progress))
+        victim = busiest_decode(mesh_a)
+        mesh_a.kill(victim)
+        return victim
+
+    outcomes, victim = asyncio.run(work.run(mesh_a.gateway_address, fault))
+    row = finish(mesh_a, work, fault_table, "decode node kill -9 mid-stream", outcomes, baseline_a)
+    assert row["migrated"] >= 1, "the dead node's streams moved to the other decode node"
+    restart_exited(mesh_a)
+
+
+def test_decode_step_loop_raises(mesh_a, work, baseline_a, fault_table):
+    left: dict[str, float] = {}
+
+    async def fault(progress):
+        await until(lambda: mid_stream(progress))
+        victim = busiest_decode(mesh_a)
+        os.kill(pid(mesh_a, victim), signal.SIGUSR1)
+        raised = time.monotonic()
+        await until(lambda: victim not in members(mesh_a), timeout_s=5, what="the node leaving the mesh")
+        left["s"] = time.monotonic() - raised
+        return victim
+
+    outcomes, victim = asyncio.run(work.run(mesh_a.gateway_address, fault))
+    row = finish(mesh_a, work, fault_table, "decode step loop raises", outcomes, baseline_a)
+    assert row["migrated"] >= 1
+    assert left["s"] < 1.0, f"left the mesh {left['s']:.2f}s after its engine died"
+    proc = mesh_a.services[victim].process
+    assert proc.wait(timeout=15) == 1, "a node whose engine died exits 1 (for its supervisor)"
+    restart_exited(mesh_a)
+
+
+@pytest.mark.long_fault
+def test_decode_node_stopped_for_10s(mesh_a, work, baseline_a, fault_table):
+    async def fault(progress):
+        await until(lambda: mid_stream(progress))
+        victim = busiest_decode(mesh_a)
+        os.killpg(pid(mesh_a, victim), signal.SIGSTOP)
+        await asyncio.sleep(STOP_S)
+        os.killpg(pid(mesh_a, victim), signal.SIGCONT)
+        return victim
+
+    outcomes, victim = asyncio.run(work.run(mesh_a.gateway_address, fault))
+    row = finish(mesh_a, work, fault_table, "decode node SIGSTOP 10 s", outcomes, baseline_a)
+    assert row["migrated"] >= 1
+    wait_members(mesh_a)
+
+
+def test_prefill_node_killed_mid_prefill(mesh_a, work, baseline_a, fault_table):
+    async def fault(progress):
+        await until(lambda: kv_remote(mesh_a) >= 1, what="a request waiting on the prefill node")
+        mesh_a.kill("prefill-0")
+
+    outcomes, _ = asyncio.run(work.run(mesh_a.gateway_address, fault))
+    finish(mesh_a, work, fault_table, "prefill node kill -9 mid-prefill", outcomes, baseline_a)
+    assert any(not o.remote_prefill for o in outcomes), "some prompts were computed on the decode node"
+    restart_exited(mesh_a)
+
+
+@pytest.mark.long_fault
+def test_prefill_node_stopped_for_10s(mesh_a, work, baseline_a, fault_table):
+    async def fault(progress):
+        await until(lambda: kv_remote(mesh_a) >= 1, what="a request waiting on the prefill node")
+        os.killpg(pid(mesh_a, "prefill-0"), signal.SIGSTOP)
+        await asyncio.sleep(STOP_S)
+        os.killpg(pid(mesh_a, "prefill-0"), signal.SIGCONT)
+
+    outcomes, _ = asyncio.run(work.run(mesh_a.gateway_address, fault))
+    finish(mesh_a, work, fault_table, "prefill node SIGSTOP 10 s", outcomes, baseline_a)
+    wait_members(mesh_a)
+
+
+def test_transfer_failure_on_a_tenth_of_kv_writes(mesh_a, work, baseline_a, fault_table):
+    mesh_a.kill("prefill-0", signal.SIGTERM)
+    restart_exited(mesh_a, {"prefill-0": {"PDMESH_FAULT_TRANSFER_FAIL_RATE": "0.1"}})
+    try:
+        outcomes, _ = asyncio.run(work.run(mesh_a.gateway_address))
+        finish(mesh_a, work, fault_table, "10% of KV writes fail", outcomes, baseline_a)
+        assert any(not o.remote_prefill for o in outcomes), "a failed push fell back to the decode node"
+    finally:
+        mesh_a.kill("prefill-0", signal.SIGTERM)
+        restart_exited(mesh_a, {"prefill-0": {}})
+
+
+def test_kv_store_killed(mesh_a, work, baseline_a, fault_table):
+    async def fault(progress):
+        await until(lambda: progress.total >= 32 * 10)
+        mesh_a.kill("kv-store")
+
+    outcomes, _ = asyncio.run(work.run(mesh_a.gateway_address, fault))
+    finish(mesh_a, work, fault_table, "kv-store kill -9", outcomes, baseline_a)
+    mesh_a.restart("kv-store")
+
+
+def test_embedded_meta_server_killed_and_restarted(mesh_a, work, baseline_a, fault_table):
+    rejoined: dict[str, float] = {}
+
+    async def fault(progress):
+        await until(lambda: mid_stream(progress))
+        mesh_a.kill("meta-server")
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(mesh_a.restart, "meta-server")
+        rejoined["s"] = await asyncio.to_thread(wait_members, mesh_a, 10.0)
+
+    outcomes, _ = asyncio.run(work.run(mesh_a.gateway_address, fault))
+    finish(mesh_a, work, fault_table, "embedded meta-server kill -9, restart", outcomes, baseline_a)
+    assert rejoined["s"] < 2.0, f"the nodes were back {rejoined['s']:.2f}s after the restart"

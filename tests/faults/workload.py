@@ -1,0 +1,117 @@
+"""The fault matrix's workload and its bookkeeping: 32 concurrent streaming requests
+through the gateway (half greedy, half seeded at temperature 0.8; prompts of 20-300
+tokens; max_tokens 64-200), each compared with the offline engine's tokens.
+
+    work = Workload(model)                         # prompts, params, expected tokens
+    base = asyncio.run(work.run(gateway))          # uninterrupted: per-request seconds
+    run = asyncio.run(work.run(gateway, fault))    # fault(progress) is awaited mid-run
+    row = work.row("decode kill -9", run, base)    # the table's line; asserts exact tokens
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import grpc
+
+from common.engine import LLM, SamplingParams
+from protos.pdmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+NUM_REQUESTS = 32
+ENGINE = {"num_blocks": 1024, "max_num_seqs": 32, "max_model_len": 1024}
+CLIENT_DEADLINE_S = 90.0    # a stream still open past this hangs: the case fails
+
+
+@dataclass
+class Outcome:
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    migrations: int = 0
+    error: grpc.StatusCode | None = None
+    details: str = ""
+    seconds: float = 0.0
+    remote_prefill: bool = False      # the first message's: a prefill node computed the prompt
+
+
+@dataclass
+class Progress:
+    """What the clients have seen so far (read by a fault to pick its moment)."""
+    tokens: list[int] = field(default_factory=lambda: [0] * NUM_REQUESTS)
+
+    @property
+    def total(self) -> int:
+        return sum(self.tokens)
+
+
+class Workload:
+    def __init__(self, model_dir, seed: int = 2026):
+        rng = random.Random(seed)
+        self.prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(20, 301))]
+                        for _ in range(NUM_REQUESTS)]
+        self.params = [SamplingParams(max_tokens=rng.randrange(64, 201), ignore_eos=True,
+                                      temperature=0.0 if i % 2 == 0 else 0.8,
+                                      seed=None if i % 2 == 0 else 1000 + i)
+                       for i in range(NUM_REQUESTS)]
+        outs = LLM(str(model_dir), **ENGINE).generate([{"prompt_token_ids": p} for p in self.prompts],
+                                                      self.params)
+        self.expected = [o.outputs[0].token_ids for o in outs]
+
+    def _request(self, i: int) -> gateway_pb2.GenerateRequest:
+        p = self.params[i]
+        sampling = common_pb2.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature,
+                                             ignore_eos=True)
+        if p.seed is not None:
+            sampling.seed = p.seed
+        req = gateway_pb2.GenerateRequest(sampling=sampling, request_id=f"fault-{i}")
+        req.prompt_token_ids.ids.extend(self.prompts[i])
+        return req
+
+    async def _one(self, stub, i: int, progress: Progress) -> Outcome:
+        out, start = Outcome(), time.monotonic()
+        try:
+            async for msg in stub.Generate(self._request(i), timeout=CLIENT_DEADLINE_S):
+                if not out.tokens:
+                    out.remote_prefill = msg.prefill_timing.remote
+                out.tokens.extend(msg.token_ids)
+                progress.tokens[i] = len(out.tokens)
+                if msg.finish_reason:
+                    out.finish_reason, out.migrations = msg.finish_reason, msg.migrations
+        except grpc.aio.AioRpcError as e:
+            out.error, out.details = e.code(), e.details()
+        out.seconds = time.monotonic() - start
+        return out
+
+    async def run(self, gateway: str, fault: Callable[[Progress], Awaitable] | None = None
+                  ) -> tuple[list[Outcome], object]:
+        """Every request at once; `fault(progress)` runs alongside (its result is returned)."""
+        progress = Progress()
+        async with grpc.aio.insecure_channel(gateway) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            streams = [asyncio.ensure_future(self._one(stub, i, progress)) for i in range(NUM_REQUESTS)]
+            injected = await fault(progress) if fault is not None else None
+            outcomes = await asyncio.gather(*streams)
+        return outcomes, injected
+
+    def row(self, case: str, outcomes: list[Outcome], baseline: list[Outcome],
+            may_fail: bool = False) -> dict:
+        """The case's line of the table. Asserts: no request ran past its deadline; every
+        one completed with exactly the offline tokens, or, only when may_fail (the mesh
+        truly cannot serve it), failed UNAVAILABLE."""
+        failed = []
+        for i, (out, want) in enumerate(zip(outcomes, self.expected)):
+            assert out.seconds < CLIENT_DEADLINE_S, f"{case}: request {i} hung"
+            if out.error is not None:
+                assert may_fail and out.error == grpc.StatusCode.UNAVAILABLE, \
+                    f"{case}: request {i} failed {out.error.name}: {out.details}"
+                failed.append(i)
+                continue
+            assert out.tokens == want, f"{case}: request {i} differs from the offline engine"
+            assert out.finish_reason == "length", f"{case}: request {i} ended {out.finish_reason!r}"
+        extra = [o.seconds - b.seconds for o, b in zip(outcomes, baseline) if o.error is None]
+        return {"case": case, "requests": len(outcomes), "completed": len(outcomes) - len(failed),
+                "migrated": sum(o.migrations > 0 for o in outcomes),
+                "migrations": sum(o.migrations for o in outcomes), "failed": len(failed),
+                "max_extra_latency_s": round(max(extra, default=0.0), 2)}
