@@ -4,13 +4,19 @@ Lifecycle:
   load the config -> make the built-in tiny model when the config names `tiny_arch` and
   the model folder is missing -> start meta-server, engine nodes, gateway as separate
   processes (services.cli.launcher; one status line each, with its pid) -> print exactly one
-  line `gateway ready at HOST:PORT` -> wait for Ctrl-C or SIGTERM (with --demo: stream a
-  few built-in prompts through the gateway concurrently and print text and timings
-  instead) -> stop every service (SIGTERM, SIGKILL after a grace period), a status line
-  as each stops.
+  line `gateway ready at HOST:PORT` -> supervise until Ctrl-C or SIGTERM (with --demo:
+  stream a few built-in prompts through the gateway concurrently and print text and
+  timings instead) -> stop every service (SIGTERM, SIGKILL after a grace period), a
+  status line as each stops.
+
+Supervising: a service that exits is started again with the same arguments, after a
+back-off that doubles with each restart of it within RESTART_WINDOW_S (0.5 s up to
+MAX_BACKOFF_S), with a status line for the exit and one for the restart; the others keep
+serving meanwhile. The mesh is stopped only on Ctrl-C / SIGTERM, or when one service
+failed to start MAX_START_FAILURES times in a row.
 
 Exit code: 0 after a clean stop or a successful demo; 1 when the mesh did not start, a
-service exited on its own, or a demo request failed; 2 on a bad config.
+service kept failing to start, or a demo request failed; 2 on a bad config.
 """
 from __future__ import annotations
 
@@ -78,15 +84,49 @@ def _print_failed_logs(mesh, num_lines: int = 15) -> None:
             print(f"--- last lines of {svc.log_path}:", *lines, sep="\n", file=sys.stderr)
 
 
-def _wait(mesh) -> int:
-    """Block until a signal (-> 0) or until a service exits on its own (-> 1)."""
+MAX_START_FAILURES = 5
+FIRST_BACKOFF_S, MAX_BACKOFF_S, RESTART_WINDOW_S = 0.5, 10.0, 60.0
+
+
+class _Restarts:
+    """One service's recent restarts: the back-off before the next one."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.failed_starts = 0
+
+    def backoff_s(self, now: float) -> float:
+        self.times = [t for t in self.times if now - t < RESTART_WINDOW_S]
+        return min(FIRST_BACKOFF_S * 2 ** len(self.times), MAX_BACKOFF_S)
+
+
+def _supervise(mesh, start_timeout_s: float) -> int:
+    """Restart what exits, until a signal (KeyboardInterrupt) or until one service failed
+    to start MAX_START_FAILURES times in a row (-> 1)."""
+    restarts = {name: _Restarts() for name in mesh.services}
     while True:
         time.sleep(0.2)
-        for svc in mesh.services.values():
-            if svc.process.poll() is not None:
-                print(f"{svc.name} exited with code {svc.process.returncode}; stopping the mesh "
-                      f"(log: {svc.log_path})", file=sys.stderr, flush=True)
-                return 1
+        for name, svc in mesh.services.items():
+            if svc.process.poll() is None:
+                continue
+            state = restarts[name]
+            delay = state.backoff_s(time.monotonic())
+            print(f"{name:<12} exited with code {svc.process.returncode}; restarting in {delay:.1f}s "
+                  f"(log: {svc.log_path})", flush=True)
+            time.sleep(delay)
+            state.times.append(time.monotonic())
+            try:
+                mesh.restart(name, timeout_s=start_timeout_s)
+                state.failed_starts = 0
+            except (RuntimeError, TimeoutError) as e:
+                mesh.kill(name)   # started but never healthy: try again after the back-off
+                state.failed_starts += 1
+                print(f"{name:<12} failed to start ({state.failed_starts} of {MAX_START_FAILURES} in a row): {e}",
+                      flush=True)
+                if state.failed_starts >= MAX_START_FAILURES:
+                    print(f"{name} failed to start {MAX_START_FAILURES} times in a row; stopping the mesh",
+                          file=sys.stderr, flush=True)
+                    return 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
                 print("(the tiny model has random weights: its text is gibberish)", flush=True)
             code = run_demo(address, max_tokens=args.max_tokens)
         else:
-            code = _wait(mesh)
+            code = _supervise(mesh, args.start_timeout)
     except KeyboardInterrupt:
         pass
     except RuntimeError as e:

@@ -159,3 +159,49 @@ def test_up_demo_bind_any_advertise_name(tmp_path, model_dir):
         assert_all_gone(up, SERVICES)
     finally:
         up.kill()
+
+
+RESTARTED = re.compile(r"^(\S+)\s+\S+\s+restarted at \S+ \(pid (\d+)\)$")
+
+
+@pytest.mark.timeout(180)
+def test_up_restarts_a_service_that_dies_and_keeps_serving(tmp_path, model_dir):
+    """kill -9 of the prefill node and of the decode node: `up` says so, starts each
+    again with back-off, and the mesh serves; SIGTERM still stops everything with 0."""
+    up = Up(write_config(tmp_path, model_dir), tmp_path / "logs")
+    try:
+        address = up.wait_for(READY, 90)[1]
+
+        async def one():
+            async with grpc.aio.insecure_channel(address) as channel:
+                return await stream_generate(channel, "Hello there", max_tokens=8, ignore_eos=True)
+        want = asyncio.run(one()).token_ids
+        for name in ("prefill-0", "decode-0"):
+            old_pid = up.pids()[name] if name not in restarted_pids(up) else restarted_pids(up)[name]
+            os.killpg(old_pid, signal.SIGKILL)
+            up.wait_for(re.compile(rf"^{name}\s+exited with code -9; restarting in \d+\.\ds"), 10)
+            m = up.wait_for(RESTARTED, 60)
+            assert m[1] == name and int(m[2]) != old_pid
+            assert up.proc.poll() is None, "up keeps the mesh running"
+        deadline = time.monotonic() + 10
+        while True:   # the restarted nodes register within a TTL
+            try:
+                got = asyncio.run(one()).token_ids
+                break
+            except grpc.aio.AioRpcError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        assert got == want
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.finish(timeout_s=20) == 0
+    finally:
+        up.kill()
+        for pid in restarted_pids(up).values():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def restarted_pids(up: Up) -> dict[str, int]:
+    return {m[1]: int(m[2]) for line in up.lines if (m := RESTARTED.match(line))}

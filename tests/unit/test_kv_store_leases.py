@@ -21,7 +21,7 @@ from services.kv_store.servicer import KVStoreServicer
 from tests.kv_store_helpers import BLOCK_SIZE, ClientCache, chain, new_store
 
 SHORT = TimeoutConfig(transfer_s=0.2, cancel_ack_s=0.5, prefill_s=1.0, request_s=2.0,
-                      kv_store_pin_lease_s=0.5, kv_store_reserve_lease_s=0.5)
+                      kv_store_pin_lease_s=0.5, kv_store_reserve_lease_s=0.5, progress_s=1.0, stall_s=1.0)
 TOKENS = list(range(100, 100 + 2 * BLOCK_SIZE))   # 2 full blocks
 
 

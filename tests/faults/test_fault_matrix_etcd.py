@@ -1,0 +1,66 @@
+"""The fault matrix's etcd cases (see test_fault_matrix.py for what every case asserts).
+Mesh B: etcd (membership and election), meta-server leader + one standby, prefill-0,
+decode-0; the 32 requests are in flight when the fault hits."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.etcd_server import EtcdServer
+from tests.faults.conftest import wait_members
+from tests.faults.test_fault_matrix import STOP_S, finish, mid_stream, until
+from tests.faults.workload import Workload
+
+MESH_B = (("prefill", "prefill-0"), ("decode", "decode-0"))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def work(model):
+    return Workload(model)
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    with EtcdServer(tmp_path_factory.mktemp("etcd")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def mesh_b(model, fault_mesh, etcd):
+    return fault_mesh(model, MESH_B, {"etcd_endpoint": etcd.endpoint, "cluster": "faults"}, standbys=1)
+
+
+@pytest.fixture(scope="module")
+def baseline_b(mesh_b, work):
+    outcomes, _ = asyncio.run(work.run(mesh_b.gateway_address))
+    work.row("none (baseline, etcd)", outcomes, outcomes)
+    return outcomes
+
+
+@pytest.mark.long_fault
+def test_etcd_stopped_for_10s(mesh_b, etcd, work, baseline_b, fault_table):
+    async def fault(progress):
+        await until(lambda: mid_stream(progress))
+        await asyncio.to_thread(etcd.stop)
+        await asyncio.sleep(STOP_S)
+        await asyncio.to_thread(etcd.start)
+
+    outcomes, _ = asyncio.run(work.run(mesh_b.gateway_address, fault))
+    finish(mesh_b, work, fault_table, "etcd stopped 10 s", outcomes, baseline_b)
+    wait_members(mesh_b)
+
+
+def test_meta_server_leader_killed(mesh_b, work, baseline_b, fault_table):
+    async def fault(progress):
+        await until(lambda: mid_stream(progress))
+        mesh_b.kill("meta-server")
+
+    outcomes, _ = asyncio.run(work.run(mesh_b.gateway_address, fault))
+    mesh_b.meta_address = mesh_b.services["meta-server-1"].address   # the standby leads now
+    finish(mesh_b, work, fault_table, "meta-server leader kill -9 (etcd, standby)", outcomes, baseline_b)
