@@ -146,10 +146,9 @@ class TimeoutConfig:
                       checked; when its node's membership is gone (the node is dead or
                       stopped: no heartbeat for meta_server.ttl_seconds) the request
                       migrates to another decode node; a live node is waited for again.
-    stall_s           a node whose step loop has queued work but made no step for this
-                      long reports NOT_SERVING and leaves routing until it steps again.
-                      Longer than the longest step (a full prefill chunk), shorter than
-                      request_s.
+    stall_s           a node whose current step has run this long (hung) reports
+                      NOT_SERVING and leaves routing until the step ends. Longer than the
+                      longest healthy step (a full prefill chunk), shorter than request_s.
     """
 
     transfer_s: float = 5.0

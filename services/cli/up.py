@@ -126,6 +126,7 @@ def _supervise(mesh, start_timeout_s: float) -> int:
                 if state.failed_starts >= MAX_START_FAILURES:
                     print(f"{name} failed to start {MAX_START_FAILURES} times in a row; stopping the mesh",
                           file=sys.stderr, flush=True)
+                    _print_failed_logs(mesh)
                     return 1
 
 

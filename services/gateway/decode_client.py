@@ -12,6 +12,7 @@ the call fails at once with RESOURCE_EXHAUSTED. Thread-safety: event loop only.
 from __future__ import annotations
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.pdmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.node import grpc_util
@@ -65,6 +66,16 @@ class DecodeClient:
             self._channels[address] = grpc_util.channel(address)
             stub = self._stubs[address] = engine_pb2_grpc.DecodeStub(self._channels[address])
         return stub
+
+    async def serving(self, address: str, timeout_s: float) -> bool:
+        """Whether the node at address answers SERVING to grpc.health within timeout_s."""
+        self.stub(address)
+        try:
+            reply = await health_pb2_grpc.HealthStub(self._channels[address]).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def generate(self, address: str, request: engine_pb2.DecodeRequest, timeout_s: float) -> DecodeCall:
         return DecodeCall(self, address, request, timeout_s)

@@ -8,7 +8,8 @@ Lifecycle (one RequestStream per client call; `replies()` yields GenerateRespons
       just died and is not yet expired, or it is full) -> exclude it, next attempt (at
       most MAX_REFUSALS in all)
     broken: UNAVAILABLE after tokens (the node died, or its engine failed), or no message
-      for timeouts.progress_s while the node's membership is gone (stopped, hung) ->
+      for timeouts.progress_s while the node is gone: not a live, unstalled member and not
+      answering SERVING to a health probe (stopped, or its step hung) ->
       migrate: exclude it, next attempt with prompt = the original prompt + every token
       the client has, max_tokens = what remains, resume_position = tokens so far (so a
       seeded request draws what it would have), and what remains of the deadline; at
@@ -40,6 +41,7 @@ PASS_THROUGH = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAU
 MAX_REFUSALS = 3
 REFUSED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 BROKEN = (grpc.StatusCode.UNAVAILABLE,)
+HEALTH_PROBE_S = 0.5   # a stopped node never answers; a working one does within milliseconds
 
 
 class GatewayAbort(Exception):
@@ -77,7 +79,7 @@ class RequestStream:
             call = self.decode.generate(node.address, self._downstream(route), _remaining(self.deadline))
             sent_here = 0
             try:
-                async for msg in self._watched(call, node.node_id):
+                async for msg in self._watched(call, node):
                     reply, done = self._reply(msg, first=not self.tokens)
                     sent_here += len(msg.token_ids)
                     yield reply
@@ -120,16 +122,16 @@ class RequestStream:
             out.prefill_fallbacks.extend(route.prefill_fallbacks)
         return out
 
-    async def _watched(self, call, node_id: str) -> AsyncIterator[engine_pb2.DecodeResponse]:
-        """call's messages; NodeStopped when none came for progress_s and node_id is no
-        longer a member (a live but slow node is waited for: e.g. a long queue)."""
+    async def _watched(self, call, node) -> AsyncIterator[engine_pb2.DecodeResponse]:
+        """call's messages; NodeStopped when none came for progress_s and the node is gone
+        (a live, slow node is waited for: e.g. a long queue)."""
         while True:
             nxt = asyncio.ensure_future(call.__anext__())
             try:
                 while not (await asyncio.wait({nxt}, timeout=self.timeouts.progress_s))[0]:
-                    if await self._left_the_mesh(node_id):
-                        raise NodeStopped(f"decode node {node_id} sent nothing for "
-                                          f"{self.timeouts.progress_s:g}s and left the mesh")
+                    if await self._gone(node) and not nxt.done():
+                        raise NodeStopped(f"decode node {node.node_id} sent nothing for "
+                                          f"{self.timeouts.progress_s:g}s and is gone")
             except BaseException:
                 nxt.cancel()
                 raise
@@ -139,16 +141,20 @@ class RequestStream:
                 return
             yield msg
 
-    async def _left_the_mesh(self, node_id: str) -> bool:
-        """True when the meta-server says node_id is not a member; False when it is, or
-        when that cannot be told now (keep waiting: the deadline still bounds the call)."""
+    async def _gone(self, node) -> bool:
+        """Whether the node can no longer serve the call: it is not a live, unstalled
+        member (or the meta-server cannot tell now) and it does not answer SERVING to a
+        health probe either. Both, so that neither a meta-server that just restarted (no
+        members yet) nor a slow health answer moves a request off a working node."""
         try:
             members = await self.meta.call("ListMembers", meta_pb2.ListMembersRequest(),
                                            timeout=min(self.timeouts.route_s, _remaining(self.deadline)),
                                            deadline=self.deadline)
+            if any(n.node_id == node.node_id and not n.load.stalled for n in members.nodes):
+                return False
         except grpc.aio.AioRpcError:
-            return False
-        return all(n.node_id != node_id for n in members.nodes)
+            pass
+        return not await self.decode.serving(node.address, HEALTH_PROBE_S)
 
     def _reply(self, msg: engine_pb2.DecodeResponse, first: bool) -> tuple[gateway_pb2.GenerateResponse, bool]:
         """The client's message for msg, and whether it is the last one."""
@@ -167,6 +173,8 @@ class RequestStream:
             return reply, False
         reply.usage.CopyFrom(msg.usage)
         reply.usage.prompt_tokens, reply.usage.completion_tokens = len(self.prompt_ids), len(self.tokens)
+        # after a migration the node's cache hit may cover earlier output tokens too
+        reply.usage.cached_prompt_tokens = min(msg.usage.cached_prompt_tokens, len(self.prompt_ids))
         reply.migrations = self.migrations
         return reply, True
 

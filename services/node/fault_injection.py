@@ -4,14 +4,15 @@ otherwise nothing here is installed and the signals keep their default meaning.
 
   SIGUSR1                          the engine's next step raises (its step loop dies)
   PDMESH_FAULT_TRANSFER_FAIL_RATE  this fraction of KV writes fail with TransferError
-                                   (a wrapper around the real backend), e.g. 0.1
+                                   (a wrapper around the real backend), e.g. 0.1: every
+                                   10th write, the first included
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
-import random
 import signal
 
 from common.transfer.base import TransferError
@@ -47,12 +48,13 @@ def _fail_next_step(engine) -> None:
 
 
 def _fail_writes(transfer, rate: float) -> None:
-    """Wrap transfer.write: a failing call writes nothing and raises a settled
-    TransferError (the failure a peer refusing the connection gives)."""
-    write, rng = transfer.write, random.Random()
+    """Wrap transfer.write: every (1/rate)-th call, starting with the first, writes
+    nothing and raises a settled TransferError (the failure a peer refusing the
+    connection gives). Deterministic, so a run always sees failures."""
+    write, every, calls = transfer.write, max(1, round(1 / rate)), itertools.count()
 
     def flaky_write(peer, batch, timeout_s=None):
-        if rng.random() < rate:
+        if next(calls) % every == 0:
             raise TransferError(f"injected write failure to {peer}")
         return write(peer, batch, timeout_s)
     transfer.write = flaky_write

@@ -70,9 +70,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 # gRPC's reconnect back-off grows to 120 s by default: a peer that restarted would stay
 # unreachable for seconds after it is back. Capped so that a restarted node or
 # meta-server is dialled again within half a second.
+# (min_reconnect_backoff_ms is left alone: gRPC uses it as the connect timeout.)
 RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
 ]
 

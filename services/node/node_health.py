@@ -6,9 +6,10 @@ engine, every POLL_S.
       already failed UNAVAILABLE (the gateway migrates them). The process then exits
       non-zero (services/cli/serve.py) so that its supervisor restarts it: `pdmesh up`,
       compose `restart:`, Kubernetes.
-  stalled (a step has run for more than timeouts.stall_s) -> NOT_SERVING and a report
-      with load.stalled at once: the router sends it nothing; SERVING and a report again
-      once it steps.
+  stalled (one step has run for more than timeouts.stall_s: a hung kernel, a deadlock;
+      every command waits behind it) -> NOT_SERVING and a report with load.stalled at
+      once: the router sends it nothing and the gateway moves its silent streams away;
+      SERVING and a report again once the step ends.
 
 Lifecycle: start() (a task of the running loop) -> close().
 """
@@ -59,10 +60,15 @@ class NodeHealth:
     async def _engine_died(self, error: BaseException) -> None:
         log.error("%s: the engine's step loop died (%s); NOT_SERVING, leaving the mesh",
                   self.node.node.node_id, error)
-        await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
-        if self.node.registration is not None:
-            await self.node.registration.close()
-        self.failed.set()
+        try:
+            await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
+            if self.node.registration is not None:
+                # bounded: with etcd away the lease cannot be revoked; it lapses in a TTL
+                await asyncio.wait_for(self.node.registration.close(), self.node.mesh.meta.ttl_seconds)
+        except Exception:
+            log.exception("%s: leaving the mesh failed; its membership lapses in a TTL", self.node.node.node_id)
+        finally:
+            self.failed.set()
 
     async def _set(self, status) -> None:
         for name in self.names:

@@ -90,9 +90,11 @@ def pytest_terminal_summary(terminalreporter):
         return
     header = f"{'case':<40} {'completed':>9} {'migrated':>8} {'failed':>6} {'max extra latency':>18}"
     lines = [header, "-" * len(header)]
+    standard = {"case", "requests", "completed", "migrated", "migrations", "failed", "max_extra_latency_s"}
     for r in ROWS:
+        notes = ", ".join(f"{k} {v}" for k, v in r.items() if k not in standard)
         lines.append(f"{r['case']:<40} {r['completed']:>6}/{r['requests']:<2} {r['migrated']:>8} "
-                     f"{r['failed']:>6} {r['max_extra_latency_s']:>16.2f} s")
+                     f"{r['failed']:>6} {r['max_extra_latency_s']:>16.2f} s  {notes}")
     terminalreporter.write_sep("=", "fault matrix")
     for line in lines:
         terminalreporter.write_line(line)

@@ -4,6 +4,7 @@ decode-0; the 32 requests are in flight when the fault hits."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -37,9 +38,9 @@ def mesh_b(model, fault_mesh, etcd):
 
 
 @pytest.fixture(scope="module")
-def baseline_b(mesh_b, work):
+def baseline_b(mesh_b, work, fault_table):
     outcomes, _ = asyncio.run(work.run(mesh_b.gateway_address))
-    work.row("none (baseline, etcd)", outcomes, outcomes)
+    fault_table.append(work.row("none (baseline, etcd)", outcomes, outcomes))
     return outcomes
 
 
@@ -64,3 +65,35 @@ def test_meta_server_leader_killed(mesh_b, work, baseline_b, fault_table):
     outcomes, _ = asyncio.run(work.run(mesh_b.gateway_address, fault))
     mesh_b.meta_address = mesh_b.services["meta-server-1"].address   # the standby leads now
     finish(mesh_b, work, fault_table, "meta-server leader kill -9 (etcd, standby)", outcomes, baseline_b)
+
+
+def test_the_only_decode_node_killed_then_restarted(mesh_b, work, baseline_b, fault_table):
+    """The one case where the mesh truly cannot serve (may_fail): with no decode node
+    left, the streams it served fail UNAVAILABLE, fast (within 5 s of the kill), and the
+    restarted node is routed to within 1 s of joining."""
+    killed: dict[str, float] = {}
+
+    async def fault(progress):
+        await until(lambda: mid_stream(progress))
+        mesh_b.kill("decode-0")
+        killed["at"] = time.monotonic()
+
+    started = time.monotonic()
+    outcomes, _ = asyncio.run(work.run(mesh_b.gateway_address, fault))
+    row = finish(mesh_b, work, fault_table, "only decode node kill -9 (fails)", outcomes, baseline_b,
+                 may_fail=True)
+    assert row["failed"] >= 1
+    for out in outcomes:
+        if out.error is not None:
+            assert started + out.seconds - killed["at"] < 5.0, "failed within 5 s of the kill"
+    mesh_b.restart("decode-0")
+    wait_members(mesh_b)
+    joined = time.monotonic()
+    while True:
+        results, _ = asyncio.run(work.run_one(mesh_b.gateway_address, 0))
+        if results.error is None:
+            break
+        # the target is 1 s; loose bound for a loaded CI machine
+        assert time.monotonic() - joined < 3.0, f"not routed 3 s after joining: {results.details}"
+    assert results.tokens == work.expected[0]
+    row["routed_after_restart_s"] = round(time.monotonic() - joined, 2)

@@ -34,6 +34,7 @@ class Outcome:
     details: str = ""
     seconds: float = 0.0
     remote_prefill: bool = False      # the first message's: a prefill node computed the prompt
+    usage: tuple[int, int] = (0, 0)   # the last message's (prompt_tokens, completion_tokens)
 
 
 @dataclass
@@ -79,6 +80,7 @@ class Workload:
                 progress.tokens[i] = len(out.tokens)
                 if msg.finish_reason:
                     out.finish_reason, out.migrations = msg.finish_reason, msg.migrations
+                    out.usage = (msg.usage.prompt_tokens, msg.usage.completion_tokens)
         except grpc.aio.AioRpcError as e:
             out.error, out.details = e.code(), e.details()
         out.seconds = time.monotonic() - start
@@ -95,6 +97,11 @@ class Workload:
             outcomes = await asyncio.gather(*streams)
         return outcomes, injected
 
+    async def run_one(self, gateway: str, i: int) -> tuple[Outcome, None]:
+        """Request i alone."""
+        async with grpc.aio.insecure_channel(gateway) as ch:
+            return await self._one(gateway_pb2_grpc.GatewayStub(ch), i, Progress()), None
+
     def row(self, case: str, outcomes: list[Outcome], baseline: list[Outcome],
             may_fail: bool = False) -> dict:
         """The case's line of the table. Asserts: no request ran past its deadline; every
@@ -110,6 +117,7 @@ class Workload:
                 continue
             assert out.tokens == want, f"{case}: request {i} differs from the offline engine"
             assert out.finish_reason == "length", f"{case}: request {i} ended {out.finish_reason!r}"
+            assert out.usage == (len(self.prompts[i]), len(want)), f"{case}: request {i} usage {out.usage}"
         extra = [o.seconds - b.seconds for o, b in zip(outcomes, baseline) if o.error is None]
         return {"case": case, "requests": len(outcomes), "completed": len(outcomes) - len(failed),
                 "migrated": sum(o.migrations > 0 for o in outcomes),

@@ -152,7 +152,7 @@ def test_seeded_sampling_survives_preemption(model, llm_factory, target):
     assert outs[0].outputs[0].token_ids == alone
 
 
-@pytest.mark.parametrize("position", [1, 7, 29])
+@pytest.mark.parametrize("position", [1, 7, 20])
 def test_a_seeded_request_resumed_at_position_k_draws_what_it_would_have(model, llm_factory, target, position):
     """What migration does: prompt + the first k tokens, max_tokens - k more, resumed at
     output position k, on another engine and in a batch: the remaining tokens are the same."""
