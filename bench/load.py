@@ -2,9 +2,12 @@
 model, as `make run` makes it): every stream must equal the in-process engine's tokens; the gateway's RSS after
 the burst must come back within 10% of its level before it; TTFT p50/p99 is reported.
 
-Each round: the gateway's RSS (VmRSS of its process) after a warm-up, the burst, then
-RSS again once the gateway is idle (after a short settle). More than one round shows
-whether memory grows from burst to burst.
+The gateway's RSS (VmRSS of its process) is read when it is fresh, after a warm-up
+burst of the same number of streams (2 tokens each: its steady state, the high-water
+mark of that many concurrent calls), and after each round once it is idle again. The
+10% check compares each round with the level before it; more than one round shows
+whether memory grows from burst to burst (a leak), the warm-up's growth what a cold
+gateway gains once (`cold_growth`).
 
     python bench/load.py [--streams 200] [--max-tokens 16] [--rounds 2]
 """
@@ -28,7 +31,7 @@ from common.engine import LLM, SamplingParams  # noqa: E402
 from services.cli.launcher import MeshProcesses  # noqa: E402
 
 ENGINE = {"num_blocks": 2048, "max_num_seqs": 64, "max_model_len": 1024}
-SETTLE_S = 3.0
+SETTLE_S = 3.0   # for the streams' last messages and cancellations to be processed
 
 
 def rss_kib(pid: int) -> int:
@@ -96,7 +99,12 @@ def main() -> int:
     gateway_pid = mesh.services["gateway"].process.pid
     rounds = []
     try:
-        asyncio.run(burst(address, prompts[:4], 2))   # warm-up: channels, routes, first allocations
+        fresh = rss_kib(gateway_pid)
+        asyncio.run(burst(address, prompts, 2))   # warm-up: channels, routes, buffers of that many calls
+        time.sleep(SETTLE_S)
+        warm = rss_kib(gateway_pid)
+        print(f"warm-up: gateway RSS {fresh / 1024:.1f} -> {warm / 1024:.1f} MiB "
+              f"({(warm - fresh) / fresh * 100:+.1f}%, once)", flush=True)
         for r in range(args.rounds):
             before = rss_kib(gateway_pid)
             start = time.perf_counter()
@@ -123,7 +131,8 @@ def main() -> int:
     out = {"command": "python bench/load.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
                                                          [("streams", args.streams), ("max_tokens", args.max_tokens),
                                                           ("rounds", args.rounds)]),
-           "engine": ENGINE, "rounds": rounds, "pass": ok,
+           "engine": ENGINE, "gateway_rss_fresh_kib": fresh, "gateway_rss_warm_kib": warm,
+           "cold_growth": (warm - fresh) / fresh, "rounds": rounds, "pass": ok,
            "target": "every stream exact; gateway RSS after within 10% of before"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
