@@ -49,7 +49,9 @@ class PrefillPair:
             node=NodeConfig("prefill", "prefill-0", max_queue=max_queue), mesh=mesh)
         self.servicer = PrefillServicer(self.prefill_node)
         self.decode = AsyncEngine(self.decode_engine)
-        self.alive = True          # what the decode node's membership says of the prefill node
+        # what the decode node's membership says of the prefill node (a stopped node's lease
+        # lapses too: RemotePrefill must not free blocks on this alone)
+        self.alive = True
         self.decode_node = SimpleNamespace(
             engine=self.decode, transfer=self.decode_transfer, layout=decode_layout, mesh=mesh,
             node=NodeConfig("decode", "decode-0"), channel=self._channel, is_member=self._is_member,
@@ -74,7 +76,8 @@ class PrefillPair:
         return self
 
     async def kill_prefill(self) -> None:
-        """The prefill node dies: its server goes, its writes in flight never land."""
+        """The prefill node dies: its server goes (its port refuses connections), its
+        writes in flight never land."""
         await self.server.stop(None)
         self.prefill_transfer.close()
         self.alive = False

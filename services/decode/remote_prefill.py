@@ -15,11 +15,14 @@ Lifecycle of one RemotePrefill:
                       waiting up to timeouts.cancel_ack_s: True when it answers settled;
                       False when it does not answer or is still settling.
   settled()           after cancel() returned False: ask again every poll until the node
-                      says settled, or it has been gone from the membership (its lease
-                      lapsed) for timeouts.transfer_bound_s, and at the latest until the
-                      call's deadline plus transfer_bound_s (no write starts past the
-                      deadline, none runs longer than that). Meanwhile the engine keeps the
-                      destination blocks QUARANTINED.
+                      says settled, or its process is gone (its address refuses
+                      connections: nobody listens there any more) for
+                      timeouts.transfer_bound_s, and at the latest until the request's
+                      deadline plus transfer_bound_s. Meanwhile the engine keeps the
+                      destination blocks QUARANTINED. A lapsed membership lease is not
+                      enough: a stopped (SIGSTOP, paused VM) process looks dead, then
+                      resumes the write calls it was in and they land (the fault matrix's
+                      "prefill node SIGSTOP 10 s" showed exactly that).
 
 The request id is the mesh's id of this attempt, so CancelPrefill can name it safely.
 Thread-safety: event loop only.
@@ -51,8 +54,7 @@ def answered_settled(error: grpc.aio.AioRpcError) -> bool:
 
 class RemotePrefill:
     def __init__(self, node, request: engine_pb2.DecodeRequest, deadline: float):
-        """node: the decode EngineNode (channel, peer_limits, transfer, layout, mesh.timeouts,
-        is_member);
+        """node: the decode EngineNode (channel, peer_limits, transfer, layout, mesh.timeouts);
         deadline: the request's, time.monotonic()."""
         self.node, self.request, self.deadline = node, request, deadline
         self.candidates = [request.prefill, *request.prefill_fallbacks]
@@ -135,18 +137,34 @@ class RemotePrefill:
 
     async def settled(self) -> None:
         bound = self.node.mesh.timeouts.transfer_bound_s
-        latest = self.call_deadline + bound
-        dead_since = None
+        latest = self.deadline + bound
+        gone_since = None
         while time.monotonic() < latest:
             if await self._ask_settled(SETTLED_POLL_S):
                 return
-            member = await self.node.is_member(self.prefill.node_id, self.prefill.role or "prefill")
-            if member is False:
-                dead_since = dead_since or time.monotonic()
-                if time.monotonic() - dead_since >= bound:
+            if await refuses_connections(self.prefill.address, SETTLED_POLL_S):
+                gone_since = gone_since or time.monotonic()
+                if time.monotonic() - gone_since >= bound:
                     log.warning("prefill node %s is gone: freeing the blocks of %s", self.prefill.node_id,
                                 self.request.request_id)
                     return
-            elif member is True:
-                dead_since = None  # back (or never gone): wait for its answer
+            else:
+                gone_since = None  # listening (maybe stopped): wait for its answer
             await asyncio.sleep(SETTLED_POLL_S)
+        log.warning("prefill node %s never confirmed the writes of %s stopped; freeing its blocks at the "
+                    "request's deadline plus %.0fs", self.prefill.node_id, self.request.request_id, bound)
+
+
+async def refuses_connections(address: str, timeout_s: float) -> bool:
+    """True when a TCP connection to address is refused: no process listens there (a
+    stopped one still accepts: its kernel completes the handshake). False when it
+    connects, or when that cannot be told (timeout, unreachable)."""
+    host, _, port = address.rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout_s)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, asyncio.TimeoutError, ValueError):
+        return False
+    writer.close()
+    return False

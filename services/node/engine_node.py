@@ -84,12 +84,6 @@ class EngineNode:
             quarantined_blocks=s["quarantined_blocks"], kv_remote=s["kv_remote"], held=s["held"],
             transfer_bytes_written=self.transfer.bytes_written, transfer_bytes_read=self.transfer.bytes_read)
 
-    async def is_member(self, node_id: str, role: str = "prefill") -> bool | None:
-        """Whether that node's membership is live (None: cannot tell now)."""
-        if self.registration is None:
-            return None
-        return await self.registration.is_member(role, node_id)
-
     def channel(self, address: str) -> grpc.aio.Channel:
         """A long-lived channel to a peer node (connections are reused across requests)."""
         if address not in self._channels:

@@ -49,8 +49,8 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         """node: an EngineNode (engine, sender, executor, layout, kv_store, node, mesh)."""
         self.node = node
         self.inflight: dict[str, tuple[KVPusher, StorePrefix | None]] = {}
-        # ended with writes possibly in flight: (pusher, until when a write may land)
-        self.unsettled: OrderedDict[str, tuple[KVPusher, float]] = OrderedDict()
+        # ended with writes possibly in flight, until its pusher is settled
+        self.unsettled: OrderedDict[str, KVPusher] = OrderedDict()
         self.cancelled: OrderedDict[str, None] = OrderedDict()   # refused if they arrive later
         self._releases: set[asyncio.Task] = set()
 
@@ -117,7 +117,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         finally:
             self.inflight.pop(rid, None)
             if not finished:  # until its writes ended, CancelPrefill answers from this record
-                self._remember_unsettled(rid, pusher, deadline + timeouts.transfer_bound_s)
+                self._remember_unsettled(rid, pusher)
                 stopping = asyncio.ensure_future(pusher.stop())
             self._release_later(rid, store, pusher, finished)
         if failure is not None:
@@ -130,20 +130,19 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
                                           num_cached_tokens=out.num_cached_tokens,
                                           timing=timing, bytes_written=nbytes)
 
-    def _remember_unsettled(self, request_id: str, pusher: KVPusher, until: float) -> None:
-        """Until `until` (the call's deadline plus the longest a transfer runs) a write of
-        this request may land; past it, none can."""
-        self.unsettled[request_id] = (pusher, until)
+    def _remember_unsettled(self, request_id: str, pusher: KVPusher) -> None:
+        """A write of this request may land until its pusher is settled (every write call
+        returned): kept until then, not for a time, because this process may be stopped
+        (SIGSTOP) past any deadline and resume the write calls it was in."""
+        self.unsettled[request_id] = pusher
         _bound(self.unsettled)
 
     def _unsettled_pusher(self, request_id: str) -> KVPusher | None:
-        entry = self.unsettled.get(request_id)
-        if entry is None:
-            return None
-        if time.monotonic() > entry[1]:
+        pusher = self.unsettled.get(request_id)
+        if pusher is not None and pusher.settled:
             del self.unsettled[request_id]
             return None
-        return entry[0]
+        return pusher
 
     def _release_later(self, request_id: str, store: StorePrefix | None, pusher: KVPusher,
                        finished: bool) -> None:
@@ -160,8 +159,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             if store is not None:
                 await store.finish(put=finished)
         finally:
-            entry = self.unsettled.get(request_id)
-            if pusher.settled and entry is not None and entry[0] is pusher:
+            if pusher.settled and self.unsettled.get(request_id) is pusher:
                 del self.unsettled[request_id]
             try:
                 await self.node.engine.release(request_id)

@@ -115,7 +115,12 @@ class Workload:
                     f"{case}: request {i} failed {out.error.name}: {out.details}"
                 failed.append(i)
                 continue
-            assert out.tokens == want, f"{case}: request {i} differs from the offline engine"
+            if out.tokens != want:
+                at = next((k for k, (a, b) in enumerate(zip(out.tokens, want)) if a != b), min(len(out.tokens), len(want)))
+                raise AssertionError(f"{case}: request {i} ({'greedy' if self.params[i].seed is None else 'seeded'}, "
+                                     f"prompt {len(self.prompts[i])}, {len(out.tokens)} of {len(want)} tokens, "
+                                     f"migrations {out.migrations}, remote prefill {out.remote_prefill}) differs "
+                                     f"from the offline engine from token {at}")
             assert out.finish_reason == "length", f"{case}: request {i} ended {out.finish_reason!r}"
             assert out.usage == (len(self.prompts[i]), len(want)), f"{case}: request {i} usage {out.usage}"
         extra = [o.seconds - b.seconds for o, b in zip(outcomes, baseline) if o.error is None]

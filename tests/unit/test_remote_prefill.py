@@ -207,3 +207,32 @@ def test_a_prefill_whose_cancel_arrived_first_is_refused(model):
             await pair.close()
 
     asyncio.run(scenario())
+
+
+def test_a_stopped_prefill_node_whose_lease_lapsed_keeps_the_blocks_quarantined_until_it_confirms(model, reference):
+    """SIGSTOP of a prefill node mid-push: its lease lapses, but the process still listens
+    and resumes its write calls when continued. The blocks must not be freed (and reused
+    by b) on the lapse: only once the resumed node confirms its writes ended."""
+    a, b = prompt(12), prompt(13)
+    want_b = expect(reference, b, LONG)
+
+    async def scenario():
+        pair = await PrefillPair(model, decode_blocks=16).start()
+        try:
+            blocks = await leave_with_a_write_in_flight(pair, "a", a)
+            pair.alive = False                                # its lease lapsed (it is stopped)
+            await asyncio.sleep(3 * FAST.transfer_bound_s)
+            assert await quarantined(pair) == len(blocks)     # still: it may resume writing
+            running_b = asyncio.ensure_future(pair_collect(pair, "b", b, LONG))
+            await wait_for(lambda: _true(pair.decode_engine.scheduler.find("b") is not None
+                                         and pair.decode_engine.scheduler.find("b").num_output_tokens > 5),
+                           what="b decoding")
+            assert not set(pair.decode_engine.scheduler.find("b").block_ids) & set(blocks)
+            pair.prefill_transfer.release_held()             # continued: the late write lands
+            got_b = await running_b
+            await wait_for(lambda: _eq(quarantined(pair), 0), what="the prefill node's confirmation")
+            return got_b
+        finally:
+            await pair.close()
+
+    assert asyncio.run(scenario()) == want_b
