@@ -35,6 +35,7 @@ class Outcome:
     seconds: float = 0.0
     remote_prefill: bool = False      # the first message's: a prefill node computed the prompt
     usage: tuple[int, int] = (0, 0)   # the last message's (prompt_tokens, completion_tokens)
+    first_token_s: float | None = None  # since the request was sent
 
 
 @dataclass
@@ -76,6 +77,7 @@ class Workload:
             async for msg in stub.Generate(self._request(i), timeout=CLIENT_DEADLINE_S):
                 if not out.tokens:
                     out.remote_prefill = msg.prefill_timing.remote
+                    out.first_token_s = time.monotonic() - start
                 out.tokens.extend(msg.token_ids)
                 progress.tokens[i] = len(out.tokens)
                 if msg.finish_reason:
