@@ -120,10 +120,10 @@ class TimeoutConfig:
     cancel_ack_s      a decode node waits this long for a prefill node to confirm that none
                       of a cancelled prefill's writes can land (it first lets the writes in
                       flight end, up to transfer_bound_s); unconfirmed, the destination
-                      blocks stay QUARANTINED until that node confirms, or it is known dead
-                      (its membership lease, meta_server.ttl_seconds, lapsed) and
-                      transfer_bound_s more passed, and at most until the prefill call's
-                      deadline plus transfer_bound_s (its last write ended by then).
+                      blocks stay QUARANTINED until that node confirms, or its address
+                      refuses connections (its process is gone) for transfer_bound_s, and at
+                      most until the request's deadline plus transfer_bound_s. A lapsed
+                      membership lease frees nothing: a stopped process resumes its writes.
     prefill_s         a decode node gives up on a prefill node after this (cancels it, then
                       prefills here).
     request_s         the gateway's deadline for a whole request (the client's own gRPC
@@ -143,9 +143,10 @@ class TimeoutConfig:
                       before reuse.
     kv_store_lookup_s the meta-server's Lookup at the store under cache_aware.
     progress_s        the gateway: a decode stream that sent nothing for this long is
-                      checked; when its node's membership is gone (the node is dead or
-                      stopped: no heartbeat for meta_server.ttl_seconds) the request
-                      migrates to another decode node; a live node is waited for again.
+                      checked; when its node is neither a live, unstalled member nor
+                      answering SERVING to a health probe (it is stopped or hung), the
+                      request migrates to another decode node; a live node is waited for
+                      again.
     stall_s           a node whose current step has run this long (hung) reports
                       NOT_SERVING and leaves routing until the step ends. Longer than the
                       longest healthy step (a full prefill chunk), shorter than request_s.

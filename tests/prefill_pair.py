@@ -49,19 +49,13 @@ class PrefillPair:
             node=NodeConfig("prefill", "prefill-0", max_queue=max_queue), mesh=mesh)
         self.servicer = PrefillServicer(self.prefill_node)
         self.decode = AsyncEngine(self.decode_engine)
-        # what the decode node's membership says of the prefill node (a stopped node's lease
-        # lapses too: RemotePrefill must not free blocks on this alone)
-        self.alive = True
         self.decode_node = SimpleNamespace(
             engine=self.decode, transfer=self.decode_transfer, layout=decode_layout, mesh=mesh,
-            node=NodeConfig("decode", "decode-0"), channel=self._channel, is_member=self._is_member,
+            node=NodeConfig("decode", "decode-0"), channel=self._channel,
             peer_limits=grpc_util.PeerLimits(grpc_util.MAX_CALLS_PER_PEER))
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.server = None
         self.address = ""
-
-    async def _is_member(self, node_id: str, role: str) -> bool:
-        return self.alive
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
@@ -80,7 +74,6 @@ class PrefillPair:
         writes in flight never land."""
         await self.server.stop(None)
         self.prefill_transfer.close()
-        self.alive = False
 
     def remote(self, rid: str, prompt: list[int], params: SamplingParams, deadline_s: float = 30.0,
                fallbacks: int = 0) -> RemotePrefill:

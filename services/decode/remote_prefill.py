@@ -22,7 +22,9 @@ Lifecycle of one RemotePrefill:
                       destination blocks QUARANTINED. A lapsed membership lease is not
                       enough: a stopped (SIGSTOP, paused VM) process looks dead, then
                       resumes the write calls it was in and they land (the fault matrix's
-                      "prefill node SIGSTOP 10 s" showed exactly that).
+                      "prefill node SIGSTOP 10 s" showed exactly that). The deadline cap
+                      is a liveness trade-off: a node stopped for longer than the request's
+                      whole deadline could still write into freed blocks.
 
 The request id is the mesh's id of this attempt, so CancelPrefill can name it safely.
 Thread-safety: event loop only.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 
 import grpc
@@ -156,15 +159,24 @@ class RemotePrefill:
 
 
 async def refuses_connections(address: str, timeout_s: float) -> bool:
-    """True when a TCP connection to address is refused: no process listens there (a
-    stopped one still accepts: its kernel completes the handshake). False when it
-    connects, or when that cannot be told (timeout, unreachable)."""
+    """True when every address host:port resolves to refuses a TCP connection: no process
+    listens there (a stopped one still accepts: its kernel completes the handshake; a
+    prefill node drains its writes before it stops listening). False when one connects,
+    or when that cannot be told (timeout, unreachable, the name does not resolve)."""
     host, _, port = address.rpartition(":")
+    loop = asyncio.get_running_loop()
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout_s)
-    except ConnectionRefusedError:
-        return True
+        infos = await asyncio.wait_for(loop.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM),
+                                       timeout_s)
     except (OSError, asyncio.TimeoutError, ValueError):
         return False
-    writer.close()
-    return False
+    for family, _, _, _, sockaddr in infos:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(sockaddr[0], sockaddr[1]), timeout_s)
+        except ConnectionRefusedError:
+            continue
+        except (OSError, asyncio.TimeoutError):
+            return False
+        writer.close()
+        return False
+    return bool(infos)

@@ -24,10 +24,12 @@ async def create_node_server(mesh: MeshConfig, node_cfg: NodeConfig, port: int |
     node = EngineNode(mesh, node_cfg)
     server = grpc_util.new_server()
     if node_cfg.role == "prefill":
-        engine_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(node), server)
+        server.servicer = PrefillServicer(node)
+        engine_pb2_grpc.add_PrefillServicer_to_server(server.servicer, server)
         names = [SERVICES["Prefill"].full_name]
     else:
-        engine_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(node), server)
+        server.servicer = DecodeServicer(node)
+        engine_pb2_grpc.add_DecodeServicer_to_server(server.servicer, server)
         names = [SERVICES["Decode"].full_name]
     health = grpc_util.add_health_and_reflection(server, names)
     bound = grpc_util.bind(server, node_cfg.host, node_cfg.port if port is None else port)
@@ -44,6 +46,11 @@ async def create_node_server(mesh: MeshConfig, node_cfg: NodeConfig, port: int |
 
 
 async def stop_node_server(server, grace: float = 1.0) -> None:
+    """A prefill node first drains its KV writes (see PrefillServicer.drain): a decode
+    node frees quarantined blocks once this port refuses connections."""
     await server.health.close()
+    drain = getattr(server.servicer, "drain", None)
+    if drain is not None:
+        await drain(server.node.mesh.timeouts.transfer_bound_s)
     await server.stop(grace)
     await server.node.close()

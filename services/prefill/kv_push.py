@@ -7,7 +7,8 @@ Block i of the prompt is sent once it is full and computed, or at the end of the
 for the last, partial block, of which only the prompt's token slots are written (the
 decode node writes the rest itself). Blocks the destination already holds (its
 prefix-cache hit, `num_cached_tokens`) are never sent. No write starts past the request's
-deadline, and each ends within min(timeouts.transfer_s, what remains of it).
+deadline or after `stop` (checked on the executor thread, right before the write), and
+each ends within min(timeouts.transfer_s, what remains of it).
 
 `finish` submits what is queued, waits for every write and raises the first
 TransferError; `stop` (cancel, failure) submits nothing more and waits up to twice the
@@ -72,9 +73,16 @@ class KVPusher:
                 self.error = self.error or TransferError("the request's deadline passed before its KV was sent")
                 return
             self.writes.append(self.loop.run_in_executor(
-                self.executor, lambda s=src, d=dst, t=last_tokens, r=remaining: self.sender.send_blocks(
-                    self.peer, self.dst_layout, s, d, last_block_tokens=t,
-                    timeout_s=min(self.transfer_timeout_s, r))))
+                self.executor, lambda s=src, d=dst, t=last_tokens: self._send(s, d, t)))
+
+    def _send(self, src: list[int], dst: list[int], last_tokens: int | None) -> int:
+        """Executor thread: the write, unless the pusher was stopped or the deadline passed
+        while it waited for a thread (then it writes nothing: a settled TransferError)."""
+        remaining = self.deadline - time.monotonic()
+        if self.stopped or remaining <= 0:
+            raise TransferError("the KV push was stopped, or its deadline passed, before this write started")
+        return self.sender.send_blocks(self.peer, self.dst_layout, src, dst, last_block_tokens=last_tokens,
+                                       timeout_s=min(self.transfer_timeout_s, remaining))
 
     async def finish(self) -> int:
         """Wait until every queued write is acknowledged; returns bytes written."""

@@ -17,7 +17,8 @@ the trailing metadata `pdmesh-writes-settled`; so the decode node knows it may r
 blocks. CancelPrefill (by the mesh's request id) stops new writes and answers once those in
 flight ended (settled), or after timeouts.transfer_s with some still in flight (not
 settled: the decode node keeps its blocks quarantined and asks again). The source blocks
-are released only after every write of theirs ended.
+are released only after every write of theirs ended. On shutdown, drain() first stops
+and waits for every write, so that once the port refuses connections none can land.
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         self.unsettled: OrderedDict[str, KVPusher] = OrderedDict()
         self.cancelled: OrderedDict[str, None] = OrderedDict()   # refused if they arrive later
         self._releases: set[asyncio.Task] = set()
+        self.closing = False
 
     def _check(self, request) -> tuple[list[int], object, KVLayout]:
         """ValueError naming the field when the request cannot be served."""
@@ -79,6 +81,9 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             prompt, params, dst_layout = self._check(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=SETTLED)
+        if self.closing:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill node {self.node.node.node_id} is shutting down",
+                                trailing_metadata=SETTLED)
         if rid in self.cancelled:  # its cancel overtook it
             await context.abort(grpc.StatusCode.CANCELLED, f"prefill of {rid} was cancelled",
                                 trailing_metadata=SETTLED)
@@ -134,8 +139,16 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         """A write of this request may land until its pusher is settled (every write call
         returned): kept until then, not for a time, because this process may be stopped
         (SIGSTOP) past any deadline and resume the write calls it was in."""
+        pusher.stopped = True   # at once: no queued write may start from now on
         self.unsettled[request_id] = pusher
-        _bound(self.unsettled)
+        while len(self.unsettled) > MAX_REMEMBERED:   # settled ones first
+            old = next((rid for rid, p in self.unsettled.items() if p.settled), None)
+            if old is None:
+                old, _ = self.unsettled.popitem(last=False)
+                log.error("forgetting the unsettled KV push of %s (%d remembered): a CancelPrefill of it "
+                          "would now answer settled", old, MAX_REMEMBERED)
+            else:
+                del self.unsettled[old]
 
     def _unsettled_pusher(self, request_id: str) -> KVPusher | None:
         pusher = self.unsettled.get(request_id)
@@ -191,6 +204,22 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             await self.node.engine.abort(request_id)
         except EngineDeadError:
             pass
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Before the server stops (its port then refuses connections, which decode nodes
+        take as "this process writes no more"): refuse new prefills, start no more writes,
+        and wait up to timeout_s for those in flight to end. True when all ended."""
+        self.closing = True
+        pushers = [p for p, _ in self.inflight.values()] + list(self.unsettled.values())
+        for pusher in pushers:
+            pusher.stopped = True
+        pending = [w for p in pushers for w in p.writes if not w.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout_s)
+        settled = all(p.settled for p in pushers)
+        if not settled:
+            log.warning("%s: stopping with KV writes still in flight", self.node.node.node_id)
+        return settled
 
     async def GetEngineStats(self, request, context):
         return await self.node.engine_stats(pending_transfers=len(self.inflight))

@@ -26,7 +26,7 @@ from tests.integration.test_mesh import assert_no_blocks_in_use
 MESH_A = (("prefill", "prefill-0"), ("decode", "decode-0"), ("decode", "decode-1"))
 KV_STORE = {"kv_store": {"port": 0, "capacity_mb": 64}}
 STOP_S = 10.0
-LEAK_WAIT_S = 20.0    # quarantined blocks wait for a lease (2 s) + 2 x transfer_s, a stopped node for SIGCONT
+LEAK_WAIT_S = 20.0    # quarantined blocks wait for the prefill node's confirmation (a stopped one: SIGCONT)
 
 
 @pytest.fixture(scope="module")

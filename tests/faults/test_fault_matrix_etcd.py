@@ -98,3 +98,4 @@ def test_the_only_decode_node_killed_then_restarted(mesh_b, work, baseline_b, fa
         assert time.monotonic() - joined < 3.0, f"not routed 3 s after joining: {results.details}"
     assert results.tokens == work.expected[0]
     row["routed_after_restart_s"] = round(sent + results.first_token_s - joined, 2)
+    assert row["routed_after_restart_s"] < 3.0     # the target is 1 s; loose bound for CI

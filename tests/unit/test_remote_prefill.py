@@ -2,7 +2,7 @@
 the fake transfer holding KV writes in flight): a cancel whose writes cannot be confirmed
 stopped keeps the destination blocks QUARANTINED, never handed to another request, until
 the prefill node confirms (the late write lands in the quarantined blocks only) or is
-known dead plus timeouts.transfer_s; a full prefill node answers RESOURCE_EXHAUSTED at
+gone (its port refuses connections) for 2 x timeouts.transfer_s; a full prefill node answers RESOURCE_EXHAUSTED at
 once and the decode node prefills locally within 100 ms; a prefill whose cancel overtook
 it is refused."""
 from __future__ import annotations
@@ -103,7 +103,7 @@ def test_blocks_stay_quarantined_until_the_dead_prefill_node_plus_the_transfer_t
 
     got_b, freed_after, pair = asyncio.run(scenario())
     assert got_b == want_b
-    assert FAST.transfer_bound_s <= freed_after < FAST.transfer_bound_s + 2.0
+    assert FAST.transfer_bound_s <= freed_after < FAST.transfer_bound_s + 4.0
     assert pair.decode_engine.stats()["used_blocks"] == 0
 
 
@@ -209,10 +209,11 @@ def test_a_prefill_whose_cancel_arrived_first_is_refused(model):
     asyncio.run(scenario())
 
 
-def test_a_stopped_prefill_node_whose_lease_lapsed_keeps_the_blocks_quarantined_until_it_confirms(model, reference):
-    """SIGSTOP of a prefill node mid-push: its lease lapses, but the process still listens
-    and resumes its write calls when continued. The blocks must not be freed (and reused
-    by b) on the lapse: only once the resumed node confirms its writes ended."""
+def test_a_stopped_prefill_node_keeps_the_blocks_quarantined_past_any_lease_until_it_confirms(model, reference):
+    """SIGSTOP of a prefill node mid-push: its lease lapses (the decode node no longer asks
+    the membership), but the process still listens and resumes its write calls when
+    continued. The blocks must not be freed (and reused by b) after a time: only once the
+    resumed node confirms its writes ended."""
     a, b = prompt(12), prompt(13)
     want_b = expect(reference, b, LONG)
 
@@ -220,7 +221,6 @@ def test_a_stopped_prefill_node_whose_lease_lapsed_keeps_the_blocks_quarantined_
         pair = await PrefillPair(model, decode_blocks=16).start()
         try:
             blocks = await leave_with_a_write_in_flight(pair, "a", a)
-            pair.alive = False                                # its lease lapsed (it is stopped)
             await asyncio.sleep(3 * FAST.transfer_bound_s)
             assert await quarantined(pair) == len(blocks)     # still: it may resume writing
             running_b = asyncio.ensure_future(pair_collect(pair, "b", b, LONG))
