@@ -24,10 +24,11 @@ TIMEOUTS = {"transfer_s": 1.0, "cancel_ack_s": 3.0, "prefill_s": 5.0, "request_s
 ROWS: list[dict] = []
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def fault_mesh(tmp_path_factory):
     """fault_mesh(model_dir, nodes, top) -> MeshProcesses, fault injection armed; every
-    mesh is stopped at the end of the session."""
+    mesh is stopped at the end of the test module (the rest of the suite does not share
+    the machine with it)."""
     started: list[MeshProcesses] = []
 
     def start(model_dir, nodes, top=None, **meta) -> MeshProcesses:
