@@ -33,7 +33,7 @@ def etcd(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def mesh_b(model, fault_mesh, etcd):
+def mesh_b(model, etcd, fault_mesh):   # etcd set up first, so torn down after the mesh
     return fault_mesh(model, MESH_B, {"etcd_endpoint": etcd.endpoint, "cluster": "faults"}, standbys=1)
 
 
