@@ -23,25 +23,29 @@ PROMPT = [5, 6, 7, 8]
 pytestmark = pytest.mark.timeout(60)
 
 
-class BreakingDecode(engine_pb2_grpc.DecodeServicer):
-    """Streams one token (its own number) per call, then fails UNAVAILABLE; records requests."""
+SCRIPT = [100, 101, 102, 103]   # the request's output, whichever node produces each token
 
-    def __init__(self, token: int):
-        self.token = token
+
+class BreakingDecode(engine_pb2_grpc.DecodeServicer):
+    """Streams one token per call, script[resume_position] (what the request's output is
+    there), then fails UNAVAILABLE as a dying node does; records the requests."""
+
+    def __init__(self, script: list[int]):
+        self.script = script
         self.requests: list[engine_pb2.DecodeRequest] = []
 
     async def Generate(self, request, context):
         self.requests.append(request)
-        yield engine_pb2.DecodeResponse(token_ids=[self.token])
+        yield engine_pb2.DecodeResponse(token_ids=[self.script[request.resume_position]])
         await context.abort(grpc.StatusCode.UNAVAILABLE, "the node died")
 
 
-async def start_mesh(model_dir, num_nodes: int, max_migrations: int):
+async def start_mesh(model_dir, num_nodes: int, max_migrations: int, script: list[int] = SCRIPT):
     meta, meta_port = await create_server(MetaConfig(port=0, ttl_seconds=30.0))
     nodes, servers = [], []
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{meta_port}")
     for i in range(num_nodes):
-        servicer, server = BreakingDecode(100 + i), grpc.aio.server()
+        servicer, server = BreakingDecode(script), grpc.aio.server()
         engine_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -68,9 +72,9 @@ async def start_mesh(model_dir, num_nodes: int, max_migrations: int):
     return f"127.0.0.1:{gw_port}", nodes, close
 
 
-async def generate(address: str, max_tokens: int):
+async def generate(address: str, max_tokens: int, stop: list[str] = ()):
     req = gateway_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(max_tokens=max_tokens, seed=9,
-                                                                         temperature=0.8))
+                                                                         temperature=0.8, stop=stop))
     req.prompt_token_ids.ids.extend(PROMPT)
     msgs, error = [], None
     async with grpc.aio.insecure_channel(address) as ch:
@@ -94,7 +98,8 @@ def test_each_attempt_resumes_where_the_last_one_broke_until_max_migrations(tiny
     requests = sorted((r for n in nodes for r in n.requests), key=lambda r: r.resume_position)
     assert [r.resume_position for r in requests] == [0, 1, 2]          # 1 attempt + 2 migrations
     tokens = [t for m in msgs for t in m.token_ids]
-    assert len(tokens) == 3 and len(set(tokens)) == 3                   # one token from each node
+    assert tokens == SCRIPT[:3]                                         # each once, in order
+    assert all(len(n.requests) == 1 for n in nodes)                     # a failed node is not asked again
     for k, r in enumerate(requests):
         assert list(r.prompt_token_ids) == PROMPT + tokens[:k]          # prompt + what the client has
         assert r.sampling.max_tokens == 10 - k and r.sampling.seed == 9
@@ -114,3 +119,27 @@ def test_max_migrations_zero_fails_the_broken_stream(tiny_model):
     assert sum(len(n.requests) for n in nodes) == 1
     assert len([t for m in msgs for t in m.token_ids]) == 1
     assert error.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_stop_string_across_the_seam_stops_the_stream(tiny_model):
+    """The stop string starts in the token the first node sent and ends in the one its
+    successor sent: the gateway's matcher carries across the migration."""
+    model = tiny_model("llama")
+    tok = Tokenizer.from_dir(model)
+    words = [i for i in range(256, 1024) if tok.decode([i]).isalpha() and len(tok.decode([i])) >= 3][:3]
+    first, second = tok.decode([words[0]]), tok.decode([words[1]])
+    stop = first[-2:] + second[:1]
+
+    async def scenario():
+        address, nodes, close = await start_mesh(model, num_nodes=3, max_migrations=2, script=words)
+        try:
+            return await generate(address, max_tokens=10, stop=[stop])
+        finally:
+            await close()
+
+    msgs, error = asyncio.run(scenario())
+    assert error is None
+    assert [t for m in msgs for t in m.token_ids] == words[:2]
+    assert "".join(m.text for m in msgs) == first[:-2]
+    assert msgs[-1].finish_reason == "stop" and msgs[-1].migrations == 1
+    assert (msgs[-1].usage.prompt_tokens, msgs[-1].usage.completion_tokens) == (len(PROMPT), 2)
