@@ -135,3 +135,10 @@ def test_kv_store_service_and_its_redis_are_what_the_mesh_points_at(services, pa
     redis_host, redis_port = mesh.kv_store.redis_url.removeprefix("redis://").split("/")[0].split(":")
     assert redis_host in services and redis_host not in parsed, "redis_url names the redis service"
     assert redis_port == "6379" and redis_host in services[store]["depends_on"]
+
+
+def test_every_served_service_is_restarted_when_it_fails(services, parsed):
+    """A node whose engine died exits 1 for its supervisor: compose must restart it."""
+    for name, args in parsed.items():
+        want = "on-failure" if args.command == "serve" else "no"
+        assert services[name].get("restart") == want, name
