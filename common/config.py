@@ -147,9 +147,10 @@ class TimeoutConfig:
                       answering SERVING to a health probe (it is stopped or hung), the
                       request migrates to another decode node; a live node is waited for
                       again.
-    stall_s           a node whose current step has run this long (hung) reports
-                      NOT_SERVING and leaves routing until the step ends. Longer than the
-                      longest healthy step (a full prefill chunk), shorter than request_s.
+    stall_s           a node whose current step has run this long (hung), or whose engine
+                      left a command waiting this long, reports NOT_SERVING and leaves
+                      routing until it makes progress. Longer than the longest healthy step
+                      (a full prefill chunk), shorter than request_s.
     """
 
     transfer_s: float = 5.0

@@ -130,11 +130,22 @@ class AsyncEngine:
         """Why the step loop died (None while it runs): no request can make progress."""
         return self._error
 
-    def step_running_s(self) -> float:
-        """How long the step running now has run (0 when none): a hung kernel or a
-        deadlocked step shows here while every command waits behind it."""
+    def stalled_for_s(self) -> float:
+        """How long the engine has owed progress: the running time of the step running now
+        (a hung kernel, a deadlocked step), or the age of the oldest command still waiting
+        in the inbox (a step thread that stopped draining it), whichever is longer; 0 when
+        it owes none."""
+        now = time.monotonic()
         started = self._step_started
-        return 0.0 if started is None else time.monotonic() - started
+        owed = 0.0 if started is None else now - started
+        try:   # no lock: whoever holds it may be the one that is stuck
+            oldest = self._inbox[0]
+        except IndexError:
+            oldest = None
+        queued_at = getattr(oldest, "queued_at", None)
+        if queued_at is not None:
+            owed = max(owed, now - queued_at)
+        return owed
 
     def validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """ValueError naming the field and its allowed range (nothing is queued)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from typing import Any, Callable
 
@@ -57,6 +58,7 @@ class Command:
     def __init__(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop):
         self.fn, self.loop = fn, loop
         self.done: asyncio.Future = loop.create_future()
+        self.queued_at = time.monotonic()   # how long it has waited: the engine's stall watch
 
     def __call__(self) -> None:
         try:

@@ -6,9 +6,9 @@ engine, every POLL_S.
       already failed UNAVAILABLE (the gateway migrates them). The process then exits
       non-zero (services/cli/serve.py) so that its supervisor restarts it: `pdmesh up`,
       compose `restart:`, Kubernetes.
-  stalled (one step has run for more than timeouts.stall_s: a hung kernel, a deadlock;
-      every command waits behind it) -> NOT_SERVING and a report with load.stalled at
-      once: the router sends it nothing and the gateway moves its silent streams away;
+  stalled (one step has run for more than timeouts.stall_s, a hung kernel or a
+      deadlock; or a command has waited that long in the inbox) -> NOT_SERVING and a
+      report with load.stalled at once: the router sends it nothing and the gateway moves its silent streams away;
       SERVING and a report again once the step ends.
 
 Lifecycle: start() (a task of the running loop) -> close().
@@ -43,15 +43,15 @@ class NodeHealth:
             if engine.error is not None:
                 await self._engine_died(engine.error)
                 return
-            stalled = engine.step_running_s() > self.stall_s
+            stalled = engine.stalled_for_s() > self.stall_s
             if stalled != self.stalled:
                 self.stalled = stalled
                 self.node.stalled = stalled
                 if stalled:
-                    log.error("%s: a step has run for more than %.0fs; NOT_SERVING until it ends",
+                    log.error("%s: the engine has made no progress for %.0fs; NOT_SERVING until it does",
                               self.node.node.node_id, self.stall_s)
                 else:
-                    log.warning("%s: the engine steps again; SERVING", self.node.node.node_id)
+                    log.warning("%s: the engine makes progress again; SERVING", self.node.node.node_id)
                 await self._set(health_pb2.HealthCheckResponse.NOT_SERVING if stalled
                                 else health_pb2.HealthCheckResponse.SERVING)
                 if self.node.registration is not None:

@@ -149,3 +149,24 @@ async def _eq(coro, value) -> bool:
 
 async def _stalled(mesh: Mesh, value: bool) -> bool:
     return [n.load.stalled for n in await mesh.members()] == [value]
+
+
+def test_commands_left_waiting_make_the_node_not_serving(tiny_model):
+    """A step thread that stops draining the inbox (here: the engine lock held elsewhere,
+    as a deadlock would) leaves a command waiting: NOT_SERVING until it runs."""
+    async def scenario():
+        mesh = await Mesh().start(tiny_model("llama"))
+        try:
+            engine = mesh.node.engine
+            lock = engine._engine_lock
+            await asyncio.to_thread(lock.acquire)
+            stats = asyncio.ensure_future(engine.stats())       # queued: nobody drains it
+            await mesh.wait(lambda: _eq(mesh.health(), health_pb2.HealthCheckResponse.NOT_SERVING),
+                            "NOT_SERVING", timeout_s=STALL_S + 2.0)
+            lock.release()
+            assert (await stats)["used_blocks"] == 0
+            await mesh.wait(lambda: _eq(mesh.health(), health_pb2.HealthCheckResponse.SERVING), "SERVING")
+        finally:
+            await mesh.close()
+
+    asyncio.run(scenario())
