@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 
 import grpc
 
 from common.engine.remote_kv import KVFilled
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.node.grpc_util import refuses_connections
 
 log = logging.getLogger("pdmesh.decode")
 SETTLED_KEY = "pdmesh-writes-settled"   # trailing metadata of a status the prefill node answered
@@ -156,27 +156,3 @@ class RemotePrefill:
             await asyncio.sleep(SETTLED_POLL_S)
         log.warning("prefill node %s never confirmed the writes of %s stopped; freeing its blocks at the "
                     "request's deadline plus %.0fs", self.prefill.node_id, self.request.request_id, bound)
-
-
-async def refuses_connections(address: str, timeout_s: float) -> bool:
-    """True when every address host:port resolves to refuses a TCP connection: no process
-    listens there (a stopped one still accepts: its kernel completes the handshake; a
-    prefill node drains its writes before it stops listening). False when one connects,
-    or when that cannot be told (timeout, unreachable, the name does not resolve)."""
-    host, _, port = address.rpartition(":")
-    loop = asyncio.get_running_loop()
-    try:
-        infos = await asyncio.wait_for(loop.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM),
-                                       timeout_s)
-    except (OSError, asyncio.TimeoutError, ValueError):
-        return False
-    for family, _, _, _, sockaddr in infos:
-        try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(sockaddr[0], sockaddr[1]), timeout_s)
-        except ConnectionRefusedError:
-            continue
-        except (OSError, asyncio.TimeoutError):
-            return False
-        writer.close()
-        return False
-    return bool(infos)

@@ -59,6 +59,14 @@ class KVStoreClient:
         self.available = True
         self.num_loaded_blocks = self.num_put_blocks = 0
 
+    async def answers(self, timeout_s: float) -> bool:
+        """Whether the store answers a Stats call within timeout_s (its process runs)."""
+        try:
+            await self.stub.Stats(kv_store_pb2.StatsRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return True
+
     def _failed(self, what: str, exc: BaseException) -> None:
         if isinstance(exc, grpc.aio.AioRpcError):
             exc = f"{exc.code().name}: {exc.details()}"

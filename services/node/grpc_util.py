@@ -1,6 +1,7 @@
 """What every pdmesh gRPC server shares: message-size options, health and reflection."""
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import grpc
@@ -122,3 +123,27 @@ class _Slot:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+async def refuses_connections(address: str, timeout_s: float) -> bool:
+    """True when every address host:port resolves to refuses a TCP connection: no process
+    listens there (a stopped one still accepts: its kernel completes the handshake; a
+    prefill node drains its writes before it stops listening). False when one connects,
+    or when that cannot be told (timeout, unreachable, the name does not resolve)."""
+    host, _, port = address.rpartition(":")
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await asyncio.wait_for(loop.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM),
+                                       timeout_s)
+    except (OSError, asyncio.TimeoutError, ValueError):
+        return False
+    for family, _, _, _, sockaddr in infos:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(sockaddr[0], sockaddr[1]), timeout_s)
+        except ConnectionRefusedError:
+            continue
+        except (OSError, asyncio.TimeoutError):
+            return False
+        writer.close()
+        return False
+    return bool(infos)

@@ -13,8 +13,9 @@
 At least one prompt token is always left to compute (its logits give the first token).
 Any store failure is a miss (KVStoreClient): the prompt is computed here. Except a read
 that gave up with ranges still in flight (they may yet land in the blocks): fill raises,
-cancel() answers False and settled() returns after timeouts.transfer_bound_s more, so the
-engine computes the prompt in fresh blocks and quarantines these meanwhile. Otherwise
+cancel() answers False and settled() returns once the store has run (or been gone) for
+timeouts.transfer_bound_s more, so the engine computes the prompt in fresh blocks and
+quarantines these meanwhile. Otherwise
 cancel() returns True once no read can land.
 """
 from __future__ import annotations
@@ -25,6 +26,9 @@ from common.engine.remote_kv import KVFilled
 from common.transfer.base import TransferError
 from common.hashing import hash_block_chain
 from services.kv_store.client import KVStoreClient
+from services.node.grpc_util import refuses_connections
+
+SETTLED_POLL_S = 0.5
 
 
 class StorePrefix:
@@ -80,7 +84,15 @@ class StorePrefix:
         return not self._unsettled
 
     async def settled(self) -> None:
-        await asyncio.sleep(self.client.timeouts.transfer_bound_s)
+        """After an unsettled read: its ranges come from the store, so none can land once
+        the store has been running (it answers) for transfer_bound_s, or has been gone (its
+        address refuses connections) that long. A stopped store does neither: wait, the
+        blocks stay quarantined (a time bound alone is what a stopped store outlasts)."""
+        bound = self.client.timeouts.transfer_bound_s
+        while not (await self.client.answers(SETTLED_POLL_S)
+                   or await refuses_connections(self.client.address, SETTLED_POLL_S)):
+            await asyncio.sleep(SETTLED_POLL_S)
+        await asyncio.sleep(bound)
 
     async def finish(self, put: bool) -> int:
         """After the request: put the full blocks this node computed when `put` (returns how

@@ -1,0 +1,43 @@
+"""When a prefill node's read from the kv-store gave up with ranges in flight, its blocks
+stay quarantined until the store has run (answers) or been gone (refuses connections)
+for 2 x transfer_s: a stopped store, which still accepts connections but answers
+nothing, keeps them quarantined however long it stays stopped, since it would send the
+rest of the read when continued."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from tests.kv_store_helpers import ClientCache
+from tests.unit.test_kv_store_leases import SHORT
+from services.kv_store.client import KVStoreClient
+from services.prefill.store_prefix import StorePrefix
+
+
+def test_a_stopped_store_keeps_an_unsettled_read_quarantined_until_it_is_gone():
+    async def scenario():
+        silent = socket.socket()            # a stopped store: the kernel accepts, nobody answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        cache, executor = ClientCache(), ThreadPoolExecutor(2)
+        client = KVStoreClient(address, "m", cache.layout, cache.sender, executor, SHORT)
+        try:
+            prefix = StorePrefix(client, list(range(100, 140)), "m", "layout")
+            settling = asyncio.ensure_future(prefix.settled())
+            await asyncio.sleep(4 * SHORT.transfer_bound_s)
+            assert not settling.done()      # stopped: not after any time
+            silent.close()                  # the process is gone: its port refuses
+            gone = time.monotonic()
+            await asyncio.wait_for(settling, 10)
+            return time.monotonic() - gone
+        finally:
+            silent.close()
+            await client.close()
+            executor.shutdown(wait=False)
+            cache.close()
+
+    after = asyncio.run(scenario())
+    assert after >= SHORT.transfer_bound_s
