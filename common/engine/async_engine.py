@@ -69,7 +69,7 @@ class AsyncEngine:
         self._stopped = False
         self._stuck = False   # the last step scheduled nothing (no block free): wait for a command
         self._error: BaseException | None = None
-        self._step_started: float | None = None   # time.monotonic() of the step running now
+        self._busy_since: float | None = None   # the step thread holds the engine since then
         self._thread = threading.Thread(target=self._loop, name="pdmesh-engine", daemon=True)
         self._thread.start()
 
@@ -131,12 +131,12 @@ class AsyncEngine:
         return self._error
 
     def stalled_for_s(self) -> float:
-        """How long the engine has owed progress: the running time of the step running now
-        (a hung kernel, a deadlocked step), or the age of the oldest command still waiting
-        in the inbox (a step thread that stopped draining it), whichever is longer; 0 when
-        it owes none."""
+        """How long the engine has owed progress: how long the step thread has held the
+        engine in one go (draining commands, a step, delivering: a hung kernel, a deadlock),
+        or the age of the oldest command still waiting in the inbox (a step thread that
+        stopped draining it), whichever is longer; 0 when it owes none."""
         now = time.monotonic()
-        started = self._step_started
+        started = self._busy_since
         owed = 0.0 if started is None else now - started
         try:   # no lock: whoever holds it may be the one that is stuck
             oldest = self._inbox[0]
@@ -375,19 +375,16 @@ class AsyncEngine:
                         self._wake.wait()
                     stopping = self._stopped
                     self._engine_lock.acquire()  # before _wake is released: keeps command order
+                    self._busy_since = time.monotonic()
                 try:
                     self._drain()
                     if stopping:
                         return  # no command is queued after the flag (see _run_on_engine)
                     if self.engine.has_unfinished():
-                        self._step_started = time.monotonic()
-                        try:
-                            outs = self.engine.step()
-                        finally:
-                            self._step_started = None
-                        self._deliver(outs)
+                        self._deliver(self.engine.step())
                         self._stuck = self.engine.last_step_empty
                 finally:
+                    self._busy_since = None
                     self._engine_lock.release()
         except BaseException as e:
             log.exception("engine step loop died")

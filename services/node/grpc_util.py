@@ -127,9 +127,10 @@ class _Slot:
 
 async def refuses_connections(address: str, timeout_s: float) -> bool:
     """True when every address host:port resolves to refuses a TCP connection: no process
-    listens there (a stopped one still accepts: its kernel completes the handshake; a
-    prefill node drains its writes before it stops listening). False when one connects,
-    or when that cannot be told (timeout, unreachable, the name does not resolve)."""
+    listens there (a stopped one still accepts: its kernel completes the handshake). False
+    when one connects, or when that cannot be told (timeout, unreachable, the name does
+    not resolve). Used to tell a peer that is gone (no write of it can land any more; a
+    prefill node drains its writes before it stops listening) from one that is stopped."""
     host, _, port = address.rpartition(":")
     loop = asyncio.get_running_loop()
     try:

@@ -6,10 +6,11 @@ engine, every POLL_S.
       already failed UNAVAILABLE (the gateway migrates them). The process then exits
       non-zero (services/cli/serve.py) so that its supervisor restarts it: `pdmesh up`,
       compose `restart:`, Kubernetes.
-  stalled (one step has run for more than timeouts.stall_s, a hung kernel or a
-      deadlock; or a command has waited that long in the inbox) -> NOT_SERVING and a
-      report with load.stalled at once: the router sends it nothing and the gateway moves its silent streams away;
-      SERVING and a report again once the step ends.
+  stalled (AsyncEngine.stalled_for_s() > timeouts.stall_s: the step thread has held
+      the engine that long, a hung kernel or a deadlock, or a command has waited that
+      long in the inbox) -> NOT_SERVING and a report with load.stalled at once: the
+      router sends it nothing and the gateway moves its silent streams away; SERVING and
+      a report again once it makes progress.
 
 Lifecycle: start() (a task of the running loop) -> close().
 """
@@ -48,7 +49,7 @@ class NodeHealth:
                 self.stalled = stalled
                 self.node.stalled = stalled
                 if stalled:
-                    log.error("%s: the engine has made no progress for %.0fs; NOT_SERVING until it does",
+                    log.error("%s: the engine has made no progress for %gs; NOT_SERVING until it does",
                               self.node.node.node_id, self.stall_s)
                 else:
                     log.warning("%s: the engine makes progress again; SERVING", self.node.node.node_id)

@@ -14,13 +14,15 @@ At least one prompt token is always left to compute (its logits give the first t
 Any store failure is a miss (KVStoreClient): the prompt is computed here. Except a read
 that gave up with ranges still in flight (they may yet land in the blocks): fill raises,
 cancel() answers False and settled() returns once the store has run (or been gone) for
-timeouts.transfer_bound_s more, so the engine computes the prompt in fresh blocks and
+timeouts.transfer_bound_s without a break, so the engine computes the prompt in fresh blocks and
 quarantines these meanwhile. Otherwise
 cancel() returns True once no read can land.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 
 from common.engine.remote_kv import KVFilled
 from common.transfer.base import TransferError
@@ -28,6 +30,7 @@ from common.hashing import hash_block_chain
 from services.kv_store.client import KVStoreClient
 from services.node.grpc_util import refuses_connections
 
+log = logging.getLogger("pdmesh.prefill")
 SETTLED_POLL_S = 0.5
 
 
@@ -85,14 +88,28 @@ class StorePrefix:
 
     async def settled(self) -> None:
         """After an unsettled read: its ranges come from the store, so none can land once
-        the store has been running (it answers) for transfer_bound_s, or has been gone (its
-        address refuses connections) that long. A stopped store does neither: wait, the
-        blocks stay quarantined (a time bound alone is what a stopped store outlasts)."""
-        bound = self.client.timeouts.transfer_bound_s
-        while not (await self.client.answers(SETTLED_POLL_S)
-                   or await refuses_connections(self.client.address, SETTLED_POLL_S)):
+        the store has been running (answering) for transfer_bound_s without a break, or
+        gone (its address refusing connections) that long. A stopped store does neither:
+        the blocks stay quarantined (a time bound alone is what a stopped store outlasts),
+        at most for timeouts.request_s (the longest a request lives) plus transfer_bound_s."""
+        timeouts = self.client.timeouts
+        bound = timeouts.transfer_bound_s
+        latest = time.monotonic() + timeouts.request_s + bound
+        since: tuple[str, float] | None = None     # ("answers" | "refuses", since when)
+        while time.monotonic() < latest:
+            if await self.client.answers(SETTLED_POLL_S):
+                state = "answers"
+            elif await refuses_connections(self.client.address, SETTLED_POLL_S):
+                state = "refuses"
+            else:
+                state = None
+            if state is None or since is None or since[0] != state:
+                since = (state, time.monotonic()) if state else None
+            elif time.monotonic() - since[1] >= bound:
+                return
             await asyncio.sleep(SETTLED_POLL_S)
-        await asyncio.sleep(bound)
+        log.warning("the kv-store at %s never answered again: freeing the blocks of an unsettled read",
+                    self.client.address)
 
     async def finish(self, put: bool) -> int:
         """After the request: put the full blocks this node computed when `put` (returns how

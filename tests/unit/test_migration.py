@@ -129,6 +129,8 @@ def test_a_stop_string_across_the_seam_stops_the_stream(tiny_model):
     words = [i for i in range(256, 1024) if tok.decode([i]).isalpha() and len(tok.decode([i])) >= 3][:3]
     first, second = tok.decode([words[0]]), tok.decode([words[1]])
     stop = first[-2:] + second[:1]
+    assert (first + second + tok.decode([words[2]])).find(stop) == len(first) - 2   # only across the seam
+    assert tok.decode(words[:2]) == first + second
 
     async def scenario():
         address, nodes, close = await start_mesh(model, num_nodes=3, max_migrations=2, script=words)

@@ -1,7 +1,7 @@
 """A decode node tells the truth about itself (services/node/node_health.py), in one
 process with a real meta-server and a real node server (fake transfer, local prefill):
-a step that hangs past timeouts.stall_s makes it NOT_SERVING and stalled in its load
-(routed to no more) until the step ends; an engine whose step loop raised makes it
+a step that hangs past timeouts.stall_s, or a command left waiting that long, makes it
+NOT_SERVING and stalled in its load (routed to no more) until it makes progress; an engine whose step loop raised makes it
 NOT_SERVING and gone from the mesh within a second (POLL_S + one RPC), fails its streams UNAVAILABLE (so
 the gateway migrates them) and sets `failed` (the process then exits 1)."""
 from __future__ import annotations
@@ -160,10 +160,12 @@ def test_commands_left_waiting_make_the_node_not_serving(tiny_model):
             engine = mesh.node.engine
             lock = engine._engine_lock
             await asyncio.to_thread(lock.acquire)
-            stats = asyncio.ensure_future(engine.stats())       # queued: nobody drains it
-            await mesh.wait(lambda: _eq(mesh.health(), health_pb2.HealthCheckResponse.NOT_SERVING),
-                            "NOT_SERVING", timeout_s=STALL_S + 2.0)
-            lock.release()
+            try:
+                stats = asyncio.ensure_future(engine.stats())       # queued: nobody drains it
+                await mesh.wait(lambda: _eq(mesh.health(), health_pb2.HealthCheckResponse.NOT_SERVING),
+                                "NOT_SERVING", timeout_s=STALL_S + 2.0)
+            finally:
+                lock.release()
             assert (await stats)["used_blocks"] == 0
             await mesh.wait(lambda: _eq(mesh.health(), health_pb2.HealthCheckResponse.SERVING), "SERVING")
         finally:

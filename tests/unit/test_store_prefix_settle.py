@@ -41,3 +41,31 @@ def test_a_stopped_store_keeps_an_unsettled_read_quarantined_until_it_is_gone():
 
     after = asyncio.run(scenario())
     assert after >= SHORT.transfer_bound_s
+
+
+def test_an_unsettled_read_from_a_running_store_settles_after_the_transfer_bound():
+    async def scenario():
+        import grpc
+        from protos.pdmesh.v1 import kv_store_pb2_grpc
+        from services.kv_store.servicer import KVStoreServicer
+        from tests.kv_store_helpers import new_store
+        store = new_store(2, ClientCache(), timeouts=SHORT)
+        server = grpc.aio.server()
+        kv_store_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(store), server)
+        address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        cache, executor = ClientCache(), ThreadPoolExecutor(2)
+        client = KVStoreClient(address, "m", cache.layout, cache.sender, executor, SHORT)
+        try:
+            prefix = StorePrefix(client, list(range(100, 140)), "m", "layout")
+            start = time.monotonic()
+            await asyncio.wait_for(prefix.settled(), 10)
+            return time.monotonic() - start
+        finally:
+            await client.close()
+            await server.stop(None)
+            executor.shutdown(wait=False)
+            cache.close()
+
+    took = asyncio.run(scenario())
+    assert SHORT.transfer_bound_s <= took < SHORT.transfer_bound_s + 5.0
