@@ -124,22 +124,40 @@ class RequestStream:
 
     async def _watched(self, call, node) -> AsyncIterator[engine_pb2.DecodeResponse]:
         """call's messages; NodeStopped when none came for progress_s and the node is gone
-        (a live, slow node is waited for: e.g. a long queue)."""
-        while True:
-            nxt = asyncio.ensure_future(call.__anext__())
-            try:
-                while not (await asyncio.wait({nxt}, timeout=self.timeouts.progress_s))[0]:
-                    if await self._gone(node) and not nxt.done():
-                        raise NodeStopped(f"decode node {node.node_id} sent nothing for "
-                                          f"{self.timeouts.progress_s:g}s and is gone")
-            except BaseException:
-                nxt.cancel()
-                raise
-            try:
-                msg = nxt.result()
-            except StopAsyncIteration:
-                return
-            yield msg
+        (a live, slow node is waited for: e.g. a long queue). One watchdog task per call,
+        so that a message costs nothing beyond the read."""
+        last = time.monotonic()
+        stopped = False
+
+        async def watchdog() -> None:
+            nonlocal stopped
+            check_at = last + self.timeouts.progress_s
+            while True:
+                await asyncio.sleep(max(check_at - time.monotonic(), 0.0))
+                silent_since = last
+                if time.monotonic() - silent_since < self.timeouts.progress_s:
+                    check_at = silent_since + self.timeouts.progress_s
+                elif await self._gone(node) and last == silent_since:   # still silent
+                    stopped = True
+                    call.cancel()
+                    return
+                else:
+                    check_at = time.monotonic() + self.timeouts.progress_s
+
+        watch = asyncio.ensure_future(watchdog())
+        try:
+            async for msg in call:
+                last = time.monotonic()
+                yield msg
+        except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
+            # the watchdog's cancel ends the read with either, depending on where it was
+            ours = stopped and (isinstance(e, asyncio.CancelledError) or e.code() == grpc.StatusCode.CANCELLED)
+            if not ours or asyncio.current_task().cancelling():
+                raise   # a real error, or the client left: not a migration
+            raise NodeStopped(f"decode node {node.node_id} sent nothing for "
+                              f"{self.timeouts.progress_s:g}s and is gone") from None
+        finally:
+            watch.cancel()
 
     async def _gone(self, node) -> bool:
         """Whether the node can no longer serve the call: it is not a live, unstalled
