@@ -18,17 +18,13 @@ import asyncio
 import json
 import random
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
+from bench_mesh import start_pd_mesh
 from bench_model import ROOT
 
-from common.config import mesh_config_from_dict  # noqa: E402
 from common.engine import LLM, SamplingParams  # noqa: E402
-from services.cli.launcher import MeshProcesses  # noqa: E402
 
 ENGINE = {"num_blocks": 2048, "max_num_seqs": 64, "max_model_len": 1024}
 SETTLE_S = 3.0   # for the streams' last messages and cancellations to be processed
@@ -88,14 +84,8 @@ def main() -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in LLM(str(model), **ENGINE).generate(
         [{"prompt_token_ids": p} for p in prompts], params)]
-    work = tempfile.mkdtemp(prefix="pdmesh-load-")
-    raw = {"model": str(model), "engine": ENGINE, "transfer": {"backend": "mooncake"},
-           "meta_server": {"port": 0}, "gateway": {"port": 0},
-           "nodes": [{"role": "prefill", "node_id": "prefill-0"}, {"role": "decode", "node_id": "decode-0"}]}
-    cfg = Path(work) / "mesh.yaml"
-    cfg.write_text(yaml.safe_dump(raw))
-    mesh = MeshProcesses(str(cfg), mesh_config_from_dict(raw), Path(work) / "logs")
-    address = mesh.start()
+    mesh = start_pd_mesh(model, ENGINE, "mooncake", prefix="pdmesh-load-")
+    address = mesh.gateway_address
     gateway_pid = mesh.services["gateway"].process.pid
     rounds = []
     try:

@@ -16,17 +16,13 @@ import asyncio
 import json
 import random
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
+from bench_mesh import start_pd_mesh
 from bench_model import ROOT, ensure_bench_model
 
-from common.config import mesh_config_from_dict  # noqa: E402
 from common.engine import LLM, SamplingParams  # noqa: E402
-from services.cli.launcher import MeshProcesses  # noqa: E402
 
 ENGINE = {"num_blocks": 1024, "max_num_seqs": 16, "max_model_len": 4096}
 
@@ -77,14 +73,8 @@ def main() -> int:
     vocab = 640
     rng = random.Random(0)
     llm = LLM(str(model), **ENGINE)
-    work = tempfile.mkdtemp(prefix="pdmesh-ttft-")
-    raw = {"model": str(model), "engine": ENGINE, "transfer": {"backend": args.transfer},
-           "meta_server": {"port": 0}, "gateway": {"port": 0},
-           "nodes": [{"role": "prefill", "node_id": "prefill-0"}, {"role": "decode", "node_id": "decode-0"}]}
-    cfg = Path(work) / "mesh.yaml"
-    cfg.write_text(yaml.safe_dump(raw))
-    mesh = MeshProcesses(str(cfg), mesh_config_from_dict(raw), Path(work) / "logs")
-    address = mesh.start()
+    mesh = start_pd_mesh(model, ENGINE, args.transfer, prefix="pdmesh-ttft-")
+    address = mesh.gateway_address
     results = {}
     client = None
     try:

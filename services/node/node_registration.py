@@ -12,8 +12,6 @@ registry (services/meta_server/registry):
 
 Lifecycle: start() (a task of the running loop; returns at once) -> report every TTL/3
 (every RETRY_S while not registered; at once after report_now()) -> close(). Never raises because the meta-server or etcd is away: it logs and retries.
-`is_member(role, node_id)` asks whether another node is in the mesh now (its lease has
-not lapsed): True / False, or None when that cannot be told now.
 `node_info` is called for every report and returns the node's current NodeInfo.
 """
 from __future__ import annotations
@@ -77,11 +75,6 @@ class NodeRegistration(abc.ABC):
     async def _leave(self) -> None:
         """Leave the mesh now; best effort."""
 
-    @abc.abstractmethod
-    async def is_member(self, role: str, node_id: str) -> bool | None:
-        """Whether that node holds a live membership now; None when unknown (the
-        registry is unreachable)."""
-
     async def close(self) -> None:
         """Stop reporting and leave. Idempotent."""
         task, self._task = self._task, None
@@ -124,13 +117,6 @@ class RpcRegistration(NodeRegistration):
             self._registered = False
             log.warning("meta-server at %s: %s %s; retrying", self.meta_address, e.code().name, e.details())
 
-    async def is_member(self, role: str, node_id: str) -> bool | None:
-        try:
-            members = await self._stub.ListMembers(meta_pb2.ListMembersRequest(), timeout=self.ttl_s)
-        except grpc.aio.AioRpcError:
-            return None
-        return any(n.node_id == node_id for n in members.nodes)
-
     async def _leave(self) -> None:
         try:
             await self._stub.Deregister(meta_pb2.DeregisterRequest(node_id=self.node_info().node_id), timeout=1)
@@ -161,13 +147,6 @@ class EtcdRegistration(NodeRegistration):
         self._started = True
         await self.membership.start(info.role, info.node_id, info.SerializeToString(), ttl_s=self.ttl_s)
         log.info("%s registering in etcd at %s", info.node_id, self._cluster.cfg.endpoint)
-
-    async def is_member(self, role: str, node_id: str) -> bool | None:
-        key = self._cluster.keys.node_key(role, node_id).encode()
-        try:
-            return await asyncio.wait_for(self._cluster.client.get(key), self.ttl_s) is not None
-        except Exception:  # etcd away: cannot tell
-            return None
 
     async def _leave(self) -> None:
         await self.membership.close()

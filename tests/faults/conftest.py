@@ -11,13 +11,11 @@ import time
 
 import grpc
 import pytest
-import yaml
 
-from common.config import mesh_config_from_dict
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
 from services.cli.launcher import MeshProcesses
-from tests.faults.workload import ENGINE
-from tests.integration.conftest import engine_stats, mesh_dict
+from tests.faults.workload import ENGINE, Workload
+from tests.integration.conftest import engine_stats, launch, mesh_dict
 
 TTL_S = 2.0
 TIMEOUTS = {"transfer_s": 1.0, "cancel_ack_s": 3.0, "prefill_s": 5.0, "request_s": 80.0, "progress_s": 1.0}
@@ -32,14 +30,9 @@ def fault_mesh(tmp_path_factory):
     started: list[MeshProcesses] = []
 
     def start(model_dir, nodes, top=None, **meta) -> MeshProcesses:
-        root = tmp_path_factory.mktemp("fault-mesh")
         raw = mesh_dict(model_dir, nodes, "mooncake", {"engine": dict(ENGINE), "timeouts": TIMEOUTS, **(top or {})},
                         ttl_seconds=TTL_S, **meta)
-        path = root / "mesh.yaml"
-        path.write_text(yaml.safe_dump(raw))
-        mesh = MeshProcesses(str(path), mesh_config_from_dict(raw), root / "logs", quiet=True,
-                             env={"PDMESH_FAULT_INJECTION": "1"})
-        mesh.start(timeout_s=120)
+        mesh = launch(tmp_path_factory.mktemp("fault-mesh"), raw, env={"PDMESH_FAULT_INJECTION": "1"})
         started.append(mesh)
         return mesh
 
@@ -51,6 +44,17 @@ def fault_mesh(tmp_path_factory):
 @pytest.fixture(scope="session")
 def fault_table():
     return ROWS
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def work(model):
+    """The 32 requests and their offline tokens."""
+    return Workload(model)
 
 
 def members(mesh) -> set[str]:

@@ -19,7 +19,6 @@ import time
 import pytest
 
 from tests.faults.conftest import busiest_decode, members, restart_exited, wait_members
-from tests.faults.workload import Workload
 from tests.integration.conftest import engine_stats
 from tests.integration.test_mesh import assert_no_blocks_in_use
 
@@ -27,16 +26,6 @@ MESH_A = (("prefill", "prefill-0"), ("decode", "decode-0"), ("decode", "decode-1
 KV_STORE = {"kv_store": {"port": 0, "capacity_mb": 64}}
 STOP_S = 10.0
 LEAK_WAIT_S = 20.0    # quarantined blocks wait for the prefill node's confirmation (a stopped one: SIGCONT)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model):
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def work(model):
-    return Workload(model)
 
 
 @pytest.fixture(scope="module")

@@ -11,19 +11,8 @@ import pytest
 from tests.etcd_server import EtcdServer
 from tests.faults.conftest import wait_members
 from tests.faults.test_fault_matrix import STOP_S, finish, mid_stream, until
-from tests.faults.workload import Workload
 
 MESH_B = (("prefill", "prefill-0"), ("decode", "decode-0"))
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model):
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def work(model):
-    return Workload(model)
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,16 @@ def mesh_dict(model_dir, nodes, transfer="mooncake", top=None, **meta) -> dict:
             "nodes": [{"role": role, "node_id": node_id} for role, node_id in nodes], **(top or {})}
 
 
+def launch(root, raw: dict, env: dict[str, str] | None = None) -> MeshProcesses:
+    """Write raw as root/mesh.yaml and start that mesh (logs in root/logs); env: set for
+    every service's process."""
+    path = root / "mesh.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    mesh = MeshProcesses(str(path), mesh_config_from_dict(raw), root / "logs", quiet=True, env=env or {})
+    mesh.start(timeout_s=120)
+    return mesh
+
+
 @pytest.fixture(scope="session")
 def start_mesh(tmp_path_factory):
     """start_mesh(model_dir, nodes=[(role, id)], transfer=..., **meta) -> MeshProcesses;
@@ -32,12 +42,7 @@ def start_mesh(tmp_path_factory):
     def start(model_dir, nodes=(("prefill", "prefill-0"), ("decode", "decode-0")),
               transfer="mooncake", top=None, **meta) -> MeshProcesses:
         """top: top-level config fields set last (see mesh_dict)."""
-        root = tmp_path_factory.mktemp("mesh")
-        raw = mesh_dict(model_dir, nodes, transfer, top, **meta)
-        path = root / "mesh.yaml"
-        path.write_text(yaml.safe_dump(raw))
-        mesh = MeshProcesses(str(path), mesh_config_from_dict(raw), root / "logs", quiet=True)
-        mesh.start(timeout_s=120)
+        mesh = launch(tmp_path_factory.mktemp("mesh"), mesh_dict(model_dir, nodes, transfer, top, **meta))
         started.append(mesh)
         return mesh
 

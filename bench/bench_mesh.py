@@ -1,0 +1,28 @@
+"""The 1-prefill + 1-decode mesh several bench/*.py scripts measure: separate processes
+on this host (services.cli.launcher), config and logs in a new temp folder."""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from bench_model import ROOT  # noqa: F401  (puts the repository on sys.path)
+
+from common.config import mesh_config_from_dict  # noqa: E402
+from services.cli.launcher import MeshProcesses  # noqa: E402
+
+
+def start_pd_mesh(model: Path, engine: dict, transfer: str = "mooncake", prefix: str = "pdmesh-bench-"
+                  ) -> MeshProcesses:
+    """Start meta-server, prefill-0, decode-0 and the gateway on free ports; the caller
+    stops it (mesh.stop())."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    raw = {"model": str(model), "engine": engine, "transfer": {"backend": transfer},
+           "meta_server": {"port": 0}, "gateway": {"port": 0},
+           "nodes": [{"role": "prefill", "node_id": "prefill-0"}, {"role": "decode", "node_id": "decode-0"}]}
+    cfg = work / "mesh.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    mesh = MeshProcesses(str(cfg), mesh_config_from_dict(raw), work / "logs")
+    mesh.start()
+    return mesh
