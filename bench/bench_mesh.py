@@ -2,6 +2,7 @@
 on this host (services.cli.launcher), config and logs in a new temp folder."""
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -25,4 +26,13 @@ def start_pd_mesh(model: Path, engine: dict, transfer: str = "mooncake", prefix:
     cfg.write_text(yaml.safe_dump(raw))
     mesh = MeshProcesses(str(cfg), mesh_config_from_dict(raw), work / "logs")
     mesh.start()
+    use_client_key(mesh)
     return mesh
+
+
+def use_client_key(mesh: MeshProcesses) -> None:
+    """Let this process's gateway clients (services.security.client_auth.gateway_channel)
+    present the API key the launcher made for this mesh."""
+    path = mesh.environ.get("PDMESH_API_KEYS_FILE", "")
+    if path:
+        os.environ["PDMESH_API_KEY_FILE"] = path

@@ -25,6 +25,7 @@ from bench_mesh import start_pd_mesh
 from bench_model import ROOT
 
 from common.engine import LLM, SamplingParams  # noqa: E402
+from services.security.client_auth import gateway_channel  # noqa: E402
 
 ENGINE = {"num_blocks": 2048, "max_num_seqs": 64, "max_model_len": 1024}
 SETTLE_S = 3.0   # for the streams' last messages and cancellations to be processed
@@ -41,7 +42,7 @@ async def burst(address: str, prompts: list[list[int]], max_tokens: int) -> list
     import grpc
     from protos.pdmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with gateway_channel(address) as channel:
         await asyncio.wait_for(channel.channel_ready(), 30)
         stub = gateway_pb2_grpc.GatewayStub(channel)
 

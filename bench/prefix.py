@@ -28,7 +28,9 @@ import yaml
 from bench_model import ROOT, ensure_bench_model
 
 from common.config import mesh_config_from_dict  # noqa: E402
+from bench_mesh import use_client_key  # noqa: E402
 from services.cli.launcher import MeshProcesses  # noqa: E402
+from services.security.client_auth import gateway_channel  # noqa: E402
 
 ENGINE = {"num_blocks": 1024, "max_num_seqs": 16, "max_model_len": 4096}
 VOCAB = 640
@@ -36,11 +38,10 @@ VOCAB = 640
 
 async def first_token(address: str, ids: list[int]) -> tuple[float, int]:
     """(TTFT in seconds, cached prompt tokens) of one greedy request."""
-    import grpc
     from protos.pdmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
     req = gateway_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(max_tokens=1, ignore_eos=True))
     req.prompt_token_ids.ids.extend(ids)
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with gateway_channel(address) as ch:
         start = time.perf_counter()
         ttft = None
         async for msg in gateway_pb2_grpc.GatewayStub(ch).Generate(req):
@@ -65,6 +66,7 @@ def run_scenario(name: str, model: Path, args, work: Path) -> dict:
     cfg.write_text(yaml.safe_dump(raw))
     mesh = MeshProcesses(str(cfg), mesh_config_from_dict(raw), work / f"logs-{name}")
     address = mesh.start()
+    use_client_key(mesh)
     rng = random.Random(1)
     tails = [tokens(rng, args.tail) for _ in range(args.requests)]
     system = tokens(rng, args.system)

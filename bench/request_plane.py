@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from bench_model import ROOT
+from services.security.client_auth import gateway_channel  # noqa: E402
 
 LAUNCH = """
 import json, sys
@@ -35,7 +36,8 @@ raw, work = json.loads(sys.argv[1]), Path(sys.argv[2])
 (work / "mesh.yaml").write_text(yaml.safe_dump(raw))
 mesh = MeshProcesses(str(work / "mesh.yaml"), mesh_config_from_dict(raw), work / "logs", quiet=True)
 address = mesh.start()
-print(json.dumps({"gateway": address, "pids": [s.process.pid for s in mesh.services.values()]}), flush=True)
+print(json.dumps({"gateway": address, "pids": [s.process.pid for s in mesh.services.values()],
+                  "api_keys_file": mesh.environ.get("PDMESH_API_KEYS_FILE", "")}), flush=True)
 sys.stdin.read()
 mesh.stop()
 """
@@ -55,6 +57,8 @@ class Mesh:
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         info = json.loads(self.proc.stdout.readline())
         self.gateway, self.pids = info["gateway"], info["pids"]
+        if info["api_keys_file"]:
+            os.environ["PDMESH_API_KEY_FILE"] = info["api_keys_file"]
 
     def cpu_s(self) -> float:
         """CPU seconds (user + system) used so far by every process of the mesh."""
@@ -82,9 +86,8 @@ async def one(stub, ids: list[int]) -> tuple[float, list[int]]:
 
 
 async def measure(mesh: Mesh, prompts: list[list[int]], concurrency: int) -> dict:
-    import grpc
     from protos.pdmesh.v1 import gateway_pb2_grpc
-    async with grpc.aio.insecure_channel(mesh.gateway) as channel:
+    async with gateway_channel(mesh.gateway) as channel:
         await asyncio.wait_for(channel.channel_ready(), 30)
         stub = gateway_pb2_grpc.GatewayStub(channel)
         await asyncio.gather(*(one(stub, p) for p in prompts[:concurrency]))   # warm

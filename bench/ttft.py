@@ -23,6 +23,7 @@ from bench_mesh import start_pd_mesh
 from bench_model import ROOT, ensure_bench_model
 
 from common.engine import LLM, SamplingParams  # noqa: E402
+from services.security.client_auth import gateway_channel  # noqa: E402
 
 ENGINE = {"num_blocks": 1024, "max_num_seqs": 16, "max_model_len": 4096}
 
@@ -35,9 +36,8 @@ class Client:
         self.loop.run_until_complete(self._connect(address))
 
     async def _connect(self, address: str) -> None:
-        import grpc
         from protos.pdmesh.v1 import gateway_pb2_grpc
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = gateway_channel(address)
         await asyncio.wait_for(self.channel.channel_ready(), 30)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 

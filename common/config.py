@@ -199,12 +199,15 @@ class TimeoutConfig:
 class GatewayConfig:
     """max_migrations: how many times one request may move to another decode node after
     its stream broke mid-way (the node died or stopped); 0 = never (the client gets
-    UNAVAILABLE)."""
+    UNAVAILABLE). api_keys_file: the keys clients send as `authorization: Bearer KEY`
+    (services/security); without one (and no $PDMESH_API_KEYS_FILE) the public API is open
+    to anyone who reaches the port."""
 
     meta_addresses: tuple[str, ...] = ()   # every meta-server, to follow the leader; () = meta_server
     host: str = "127.0.0.1"
     port: int = 50050
     max_migrations: int = 3
+    api_keys_file: str = ""             # one client key per line; "" = $PDMESH_API_KEYS_FILE, else open
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_migrations, int) or self.max_migrations < 0:
@@ -266,6 +269,58 @@ class KVStoreConfig:
 
 
 @dataclass(frozen=True)
+class LimitsConfig:
+    """Bounds on one public request (section `limits:`), checked by the gateway before any
+    work (the prompt's bytes before it is tokenized); beyond one: INVALID_ARGUMENT naming
+    the field and the limit. The prompt's tokens are bounded by max_model_len.
+
+    max_prompt_bytes        a text prompt (UTF-8) or a Tokenize text
+    max_prompt_token_ids    a prompt given as token ids (also <= max_model_len)
+    max_stop_strings        entries of sampling.stop ...
+    max_stop_string_bytes   ... and the bytes of each
+    max_stop_token_ids      entries of sampling.stop_token_ids
+    max_request_id_bytes    request_id
+    tokenizer_threads       the pool that tokenizes off the event loop
+    """
+
+    max_prompt_bytes: int = 1 << 20
+    max_prompt_token_ids: int = 1 << 20
+    max_stop_strings: int = 16
+    max_stop_string_bytes: int = 256
+    max_stop_token_ids: int = 256
+    max_request_id_bytes: int = 256
+    tokenizer_threads: int = 2
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"limits.{f.name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """Where this mesh's secrets are (section `security:`; services/security reads them).
+    Each "" falls back to an environment variable, and a secret itself may also come in
+    the environment (never on a command line):
+
+    cluster_secret_file  the secret every internal RPC carries (PDMESH_CLUSTER_SECRET_FILE,
+                         or the value in PDMESH_CLUSTER_SECRET); required unless tls_dir
+                         is set: a service without one refuses to start.
+    admin_token_file     the token of pdmesh.v1.MetaAdmin (PDMESH_ADMIN_TOKEN_FILE or
+                         PDMESH_ADMIN_TOKEN); without one every admin call is refused.
+    tls_dir              TLS on every gRPC port, mTLS between services, with the files
+                         `pdmesh certs init DIR` writes (PDMESH_TLS_DIR); "" = plaintext.
+
+    `pdmesh up` without any of them makes fresh ones per mesh under its log dir.
+    """
+
+    cluster_secret_file: str = ""
+    admin_token_file: str = ""
+    tls_dir: str = ""
+
+
+@dataclass(frozen=True)
 class MeshConfig:
     """A whole mesh (deploy/local.yaml). Every service reads the part it needs."""
 
@@ -281,6 +336,8 @@ class MeshConfig:
     etcd_endpoint: str = ""             # "host:port": membership and admin state in etcd
     kv_store: KVStoreConfig | None = None   # None: no kv-store in this mesh
     timeouts: TimeoutConfig = TimeoutConfig()
+    limits: LimitsConfig = LimitsConfig()
+    security: SecurityConfig = SecurityConfig()
 
     def engine_config(self) -> EngineConfig:
         args = {"model_id": self.resolved_model_id, **self.engine}
@@ -321,7 +378,7 @@ def mesh_config_from_dict(raw: dict[str, Any], base_dir: str = ".") -> MeshConfi
     """Build a MeshConfig; relative model paths are taken from base_dir."""
     from pathlib import Path
     known = {"model", "model_id", "tiny_arch", "cluster", "engine", "meta_server", "gateway",
-             "nodes", "transfer", "etcd_endpoint", "kv_store", "timeouts"}
+             "nodes", "transfer", "etcd_endpoint", "kv_store", "timeouts", "limits", "security"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ValueError(f"unknown top-level field(s) {unknown}; allowed: {sorted(known)}")
@@ -339,7 +396,9 @@ def mesh_config_from_dict(raw: dict[str, Any], base_dir: str = ".") -> MeshConfi
         nodes=nodes, transfer=_section(TransferConfig, raw.get("transfer"), "transfer"),
         etcd_endpoint=str(raw.get("etcd_endpoint", "")),
         kv_store=_section(KVStoreConfig, raw["kv_store"], "kv_store") if "kv_store" in raw else None,
-        timeouts=_section(TimeoutConfig, raw.get("timeouts"), "timeouts"))
+        timeouts=_section(TimeoutConfig, raw.get("timeouts"), "timeouts"),
+        limits=_section(LimitsConfig, raw.get("limits"), "limits"),
+        security=_section(SecurityConfig, raw.get("security"), "security"))
 
 
 def load_mesh_config(path: str) -> MeshConfig:

@@ -11,6 +11,20 @@ import torch
 
 from common.model.tiny import make_tiny_model
 
+# Every service the tests start (in this process or as a child) holds the same mesh
+# identity and admin token, given in the environment as an operator would; the gateway
+# has no API keys unless a test gives it some. `pdmesh up` records its mesh under
+# PDMESH_STATE_DIR, not in the home folder.
+TEST_CLUSTER_SECRET = "test-cluster-secret-" + os.urandom(8).hex()
+TEST_ADMIN_TOKEN = "test-admin-token-" + os.urandom(8).hex()
+os.environ["PDMESH_CLUSTER_SECRET"] = TEST_CLUSTER_SECRET
+os.environ["PDMESH_ADMIN_TOKEN"] = TEST_ADMIN_TOKEN
+for _name in ("PDMESH_CLUSTER_SECRET_FILE", "PDMESH_ADMIN_TOKEN_FILE", "PDMESH_API_KEYS_FILE", "PDMESH_TLS_DIR",
+              "PDMESH_API_KEY", "PDMESH_API_KEY_FILE"):
+    os.environ.pop(_name, None)
+import tempfile as _tempfile  # noqa: E402
+os.environ["PDMESH_STATE_DIR"] = _tempfile.mkdtemp(prefix="pdmesh-state-")
+
 _ENGINES: dict[tuple, object] = {}
 
 # Under PDMESH_KERNEL_BACKEND=npu the engine suite runs the NPU backend through the

@@ -1,6 +1,8 @@
 """A decode engine and a real PrefillServicer in one process, over real gRPC on
 127.0.0.1 and the fake transfer (so a test can hold KV writes in flight, let them land
-late, or drop them as a dead process's): the decode side drives the real RemotePrefill."""
+late, or drop them as a dead process's): the decode side drives the real RemotePrefill.
+No meta-server: the prefill node checks destinations against `members`, which lists the
+decode node as it would register (pair.members may be changed by a test)."""
 from __future__ import annotations
 
 import time
@@ -18,7 +20,9 @@ from common.transfer.layout import KVLayout
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.decode.remote_prefill import RemotePrefill
 from services.node import grpc_util
+from services.node.members_view import MembersView
 from services.prefill.servicer import PrefillServicer
+from tests.channels import operator_channel
 
 FAST = TimeoutConfig(transfer_s=0.3, cancel_ack_s=1.0, prefill_s=10.0, request_s=60.0,
                      kv_store_pin_lease_s=5.0, kv_store_reserve_lease_s=5.0)
@@ -47,7 +51,10 @@ class PrefillPair:
             engine=AsyncEngine(self.prefill_engine), sender=KVSender(self.prefill_transfer, prefill_layout),
             executor=ThreadPoolExecutor(4), kv_store=None, layout=prefill_layout,
             node=NodeConfig("prefill", "prefill-0", max_queue=max_queue), mesh=mesh)
-        self.servicer = PrefillServicer(self.prefill_node)
+        self.members = [common_pb2.NodeInfo(node_id="decode-0", role="decode", transfer_backend="fake",
+                                            transfer_endpoint=self.decode_transfer.endpoint,
+                                            kv_layout=decode_layout.to_proto())]
+        self.servicer = PrefillServicer(self.prefill_node, MembersView.static(self.members))
         self.decode = AsyncEngine(self.decode_engine)
         self.decode_node = SimpleNamespace(
             engine=self.decode, transfer=self.decode_transfer, layout=decode_layout, mesh=mesh,
@@ -59,7 +66,7 @@ class PrefillPair:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address)
+            self._channels[address] = operator_channel(address)
         return self._channels[address]
 
     async def start(self) -> "PrefillPair":

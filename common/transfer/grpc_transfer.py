@@ -17,6 +17,11 @@ checked against the request. WriteChunks and ReadChunks are encoded and decoded 
 (common/transfer/grpc_wire.py). Nothing checks the local addresses of a batch: they must be
 valid memory of this process (registered or not).
 
+Security (plain arguments, filled in by the services): `interceptors` of the receiver's
+server (who may write or read), `server_credentials` to bind it with TLS, and
+`channel_factory(peer, options)` for the writer's and reader's channels (carrying the
+caller's identity); by default none (unit tests).
+
 Thread-safety: `write` and `read` may be called from several threads at once (each call is
 its own RPC); the server applies concurrent streams in parallel, so writers must not overlap
 ranges.
@@ -56,7 +61,8 @@ class GrpcTransfer(TransferEngine):
     name = "grpc"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, max_workers: int = 4,
-                 chunk_bytes: int = 1 << 20, timeout_s: float = 60.0):
+                 chunk_bytes: int = 1 << 20, timeout_s: float = 60.0, interceptors: tuple = (),
+                 server_credentials: grpc.ServerCredentials | None = None, channel_factory=None):
         if not 0 < chunk_bytes <= MAX_MESSAGE_BYTES - 64:
             raise ValueError(f"chunk_bytes {chunk_bytes} must be in (0, {MAX_MESSAGE_BYTES - 64}]")
         self.chunk_bytes = chunk_bytes
@@ -64,8 +70,10 @@ class GrpcTransfer(TransferEngine):
         self._regions: tuple[Region, ...] = ()
         self._calls: dict[str, _PeerCalls] = {}
         self._lock = threading.Lock()
+        self._channel_factory = channel_factory or (lambda peer, options: grpc.insecure_channel(peer, options=options))
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers, "kv-recv"),
-                                   options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
+                                   options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
+                                   interceptors=tuple(interceptors))
         handlers = {
             "Write": grpc.stream_unary_rpc_method_handler(
                 self._serve_write, response_serializer=transfer_pb2.WriteAck.SerializeToString),
@@ -74,7 +82,10 @@ class GrpcTransfer(TransferEngine):
                 response_serializer=None),
         }
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-        bound = self._server.add_insecure_port(f"{host}:{port}")
+        if server_credentials is None:
+            bound = self._server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = self._server.add_secure_port(f"{host}:{port}", server_credentials)
         if not bound:
             raise TransferError(f"grpc transfer: cannot bind {host}:{port}")
         self._server.start()
@@ -129,7 +140,7 @@ class GrpcTransfer(TransferEngine):
     def _calls_for(self, peer: str) -> _PeerCalls:
         with self._lock:
             if peer not in self._calls:
-                channel = grpc.insecure_channel(peer, options=CHANNEL_OPTIONS)
+                channel = self._channel_factory(peer, CHANNEL_OPTIONS)
                 self._calls[peer] = _PeerCalls(
                     channel,
                     channel.stream_unary(f"/{SERVICE}/Write", request_serializer=None,

@@ -20,6 +20,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "services.cli.up",
     "services.cli.admin",
     "services.cli.kv_store",
+    "services.cli.certs",
 )
 
 

@@ -9,8 +9,11 @@ the meta-server's pdmesh.v1.MetaAdmin API.
     policy [NAME]    show, or set to round_robin | least_load | cache_aware
     stats            requests routed (total, per node), cluster free/total blocks
 
-A readable table by default, JSON with --json. --meta defaults to $PDMESH_META or
-127.0.0.1:50051. Exit code 0; on an RPC error the status and message go to stderr and
+A readable table by default, JSON with --json. --meta defaults to $PDMESH_META, else the
+mesh `pdmesh up` is running, else 127.0.0.1:50051. The admin token comes from
+--token-file, $PDMESH_ADMIN_TOKEN(_FILE) or the running mesh's credentials; with TLS
+(--tls-dir, $PDMESH_TLS_DIR or the running mesh's) the CA and admin.crt/admin.key of that
+folder are used. Exit code 0; on an RPC error the status and message go to stderr and
 the code is 2 for INVALID_ARGUMENT, 1 otherwise.
 """
 from __future__ import annotations
@@ -25,8 +28,10 @@ ACTIONS = ("nodes", "drain", "undrain", "remove", "policy", "stats")
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--meta", default=os.environ.get("PDMESH_META", "127.0.0.1:50051"),
-                        metavar="HOST:PORT", help="meta-server address (default: %(default)s)")
+    common.add_argument("--meta", default=os.environ.get("PDMESH_META", ""), metavar="HOST:PORT",
+                        help="meta-server address (default: the running mesh's, else 127.0.0.1:50051)")
+    common.add_argument("--token-file", default="", help="file holding the admin token")
+    common.add_argument("--tls-dir", default="", help="folder of `pdmesh certs init` (TLS on)")
     common.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p = subparsers.add_parser("admin", help="inspect and steer a running mesh", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -111,8 +116,17 @@ def run(args: argparse.Namespace) -> int:
     import grpc
 
     from protos.pdmesh.v1 import meta_pb2_grpc
+    from services.security.client_auth import client_channel
+    from services.security.client_creds import admin_token, client_tls, mesh_address
+    from services.security.credentials import MissingCredentialsError
+    args.meta = args.meta or mesh_address("meta") or "127.0.0.1:50051"
     try:
-        with grpc.insecure_channel(args.meta) as channel:
+        token, tls = admin_token(args.token_file), client_tls(args.tls_dir, "admin")
+    except MissingCredentialsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        with client_channel(args.meta, bearer=token, tls=tls, sync=True) as channel:
             result, text = _call(meta_pb2_grpc.MetaAdminStub(channel), args)
     except grpc.RpcError as e:
         print(f"error: {args.meta}: {e.code().name}: {e.details()}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """A small client of the public API (pdmesh.v1.Gateway): stream one request, time it.
 
-    async with grpc.aio.insecure_channel("127.0.0.1:50050") as channel:
+    async with client_channel("127.0.0.1:50050", bearer=api_key()) as channel:   # services/security
         result = await stream_generate(channel, "Hello", max_tokens=32,
                                        on_text=lambda s: print(s, end="", flush=True))
     print(result.ttft_s, result.tokens_per_s, result.finish_reason)

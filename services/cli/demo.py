@@ -27,9 +27,11 @@ async def _one(channel, index: int, prompt: str, max_tokens: int) -> StreamResul
     return result
 
 
-async def demo(address: str, prompts: list[str], max_tokens: int) -> int:
+async def demo(address: str, prompts: list[str], max_tokens: int, api_key: str | None = None,
+               tls=None) -> int:
     """Stream every prompt concurrently; returns 0 when all succeeded, else 1."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    from services.security.client_auth import client_channel
+    async with client_channel(address, bearer=api_key, tls=tls) as channel:
         start = time.perf_counter()
         results = await asyncio.gather(*(_one(channel, i, p, max_tokens) for i, p in enumerate(prompts)))
         elapsed = time.perf_counter() - start
@@ -42,5 +44,6 @@ async def demo(address: str, prompts: list[str], max_tokens: int) -> int:
     return 0 if len(done) == len(prompts) else 1
 
 
-def run_demo(address: str, prompts: list[str] | None = None, max_tokens: int = 48) -> int:
-    return asyncio.run(demo(address, list(prompts or DEMO_PROMPTS), max_tokens))
+def run_demo(address: str, prompts: list[str] | None = None, max_tokens: int = 48,
+             api_key: str | None = None, tls=None) -> int:
+    return asyncio.run(demo(address, list(prompts or DEMO_PROMPTS), max_tokens, api_key, tls))

@@ -4,6 +4,9 @@ Offline (default): through the engine in this process; with no model folder, the
 tiny model is made first (models/tiny-llama).
 --gateway HOST:PORT: through a running mesh's gateway, one prompt after the other, the
 text streamed to the terminal as it arrives, then TTFT and tokens/s.
+The API key comes from --api-key-file, $PDMESH_API_KEY(_FILE) or the credentials of the
+mesh `pdmesh up` is running; with TLS (--tls-dir, $PDMESH_TLS_DIR or the running mesh's)
+the server is checked against that folder's CA.
 With no prompt, a few built-in ones. Exit code 0, 1 on an RPC error, 2 on bad input.
 """
 from __future__ import annotations
@@ -39,6 +42,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--api-key-file", default="", help="--gateway: file whose first line is the API key")
+    p.add_argument("--tls-dir", default="", help="--gateway: folder of `pdmesh certs init` (TLS on)")
     return p
 
 
@@ -57,20 +62,25 @@ def _run_gateway(args: argparse.Namespace) -> int:
     import asyncio
 
     import grpc
+
+    from services.security.credentials import MissingCredentialsError
     try:
         return asyncio.run(_stream_all(args))
+    except MissingCredentialsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except grpc.aio.AioRpcError as e:
         print(f"\nerror: {args.gateway}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
 
 
 async def _stream_all(args: argparse.Namespace) -> int:
-    import grpc
-
     from services.cli.client import describe, stream_generate
+    from services.security.client_auth import client_channel
+    from services.security.client_creds import api_key, client_tls
     prompts = args.prompts or DEMO_PROMPTS
     num_tokens, start = 0, time.perf_counter()
-    async with grpc.aio.insecure_channel(args.gateway) as channel:
+    async with client_channel(args.gateway, bearer=api_key(args.api_key_file), tls=client_tls(args.tls_dir)) as channel:
         for prompt in prompts:
             print(f"--- {prompt!r}\n{prompt}", end="", flush=True)
             result = await stream_generate(channel, prompt, **sampling_kwargs(args),

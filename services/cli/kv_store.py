@@ -3,7 +3,9 @@ how it is doing (its pdmesh.v1.KVStore Stats): blocks used / total / pinned, hit
 misses, evictions, bytes in and out, and the Redis tier (configured, up, spilled,
 promoted, errors, last error).
 
---kv-store defaults to $PDMESH_KV_STORE or 127.0.0.1:50080. Exit code 0; 1 with the
+--kv-store defaults to $PDMESH_KV_STORE, else the mesh `pdmesh up` runs, else
+127.0.0.1:50080. Stats take the admin token (--token-file, $PDMESH_ADMIN_TOKEN(_FILE) or
+the running mesh's) and, with TLS, admin.crt of --tls-dir. Exit code 0; 1 with the
 status on stderr when the store cannot be reached.
 """
 from __future__ import annotations
@@ -19,8 +21,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("action", choices=["stats"])
     p.add_argument("--kv-store", dest="address", metavar="HOST:PORT",
-                   default=os.environ.get("PDMESH_KV_STORE", "127.0.0.1:50080"),
-                   help="kv-store address (default: %(default)s)")
+                   default=os.environ.get("PDMESH_KV_STORE", ""),
+                   help="kv-store address (default: the running mesh's, else 127.0.0.1:50080)")
+    p.add_argument("--token-file", default="", help="file holding the admin token")
+    p.add_argument("--tls-dir", default="", help="folder of `pdmesh certs init` (TLS on)")
     p.add_argument("--json", action="store_true", help="print JSON instead of lines")
     return p
 
@@ -28,8 +32,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import grpc
     from protos.pdmesh.v1 import kv_store_pb2, kv_store_pb2_grpc
+    from services.security.client_auth import client_channel
+    from services.security.client_creds import admin_token, client_tls, mesh_address
+    args.address = args.address or mesh_address("kv_store") or "127.0.0.1:50080"
     try:
-        with grpc.insecure_channel(args.address) as channel:
+        with client_channel(args.address, bearer=admin_token(args.token_file),
+                            tls=client_tls(args.tls_dir, "admin"), sync=True) as channel:
             stats = kv_store_pb2_grpc.KVStoreStub(channel).Stats(kv_store_pb2.StatsRequest(), timeout=5)
     except grpc.RpcError as e:
         print(f"kv-store {args.address}: {e.code().name}: {e.details()}", file=sys.stderr)

@@ -3,7 +3,9 @@
 Order: meta-server -> kv-store (when configured) -> engine nodes -> gateway. Port 0 in the config means "pick a free
 port"; the choice is passed to each process with --port / --meta. Each start waits for
 grpc.health.v1 SERVING (and, for engine nodes, for their registration at the
-meta-server) and prints one status line per service. `stop` sends SIGTERM tier by tier
+meta-server) and prints one status line per service. Credentials reach the processes in
+the environment (`env`: variables naming files, services/security/credentials.py); the
+launcher itself calls as the operator (admin token, admin.crt with TLS). `stop` sends SIGTERM tier by tier
 (gateway, engine nodes, kv-store, meta-servers) and SIGKILL to whatever outlives the grace
 period.
 """
@@ -43,9 +45,12 @@ class Service:
         return f"{self.host}:{self.port}"
 
 
-def wait_healthy(address: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
+def wait_healthy(address: str, timeout_s: float, process: subprocess.Popen | None = None,
+                 tls=None) -> None:
+    """tls: TLSFiles (the CA and the admin certificate) when the mesh runs TLS."""
+    from services.security.client_auth import client_channel
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with client_channel(address, tls=tls, sync=True) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if process is not None and process.poll() is not None:
@@ -127,12 +132,57 @@ class MeshProcesses:
                                        start_new_session=True)
         log.close()
 
+    @property
+    def environ(self) -> dict[str, str]:
+        """What the services' environment holds (before per-service additions)."""
+        return {**os.environ, **self.env}
+
+    def _make_credentials(self) -> None:
+        """Fresh secrets for what neither the config nor the environment gives, for this
+        mesh only (services/security/mesh_secrets.py); checked before anything starts."""
+        from services.security.credentials import load_credentials
+        from services.security.mesh_secrets import make_missing_secrets
+        folder = self.log_dir / "credentials"
+        made = make_missing_secrets(self.mesh, folder, self.environ)
+        self.env.update(made)
+        load_credentials(self.mesh.security, "gateway", self.mesh.gateway.api_keys_file, environ=self.environ)
+        if made:
+            self._say(f"credentials made for this mesh in {folder} "
+                      f"({', '.join(Path(p).name for p in made.values())}; mode 0600)")
+
+    def client_tls(self, cert_name: str | None = "admin"):
+        """With TLS: the CA and cert_name's certificate (None: the CA only), else None."""
+        from services.security.client_creds import client_tls
+        return client_tls(self.mesh.security.tls_dir, cert_name, environ=self.environ)
+
+    def api_key(self) -> str | None:
+        """A client API key of the gateway (None when it has none)."""
+        from services.security.client_creds import api_key
+        path = self.mesh.gateway.api_keys_file or self.environ.get("PDMESH_API_KEYS_FILE", "")
+        return api_key(path) if path else None
+
+    def gateway_channel(self):
+        """A grpc.aio channel to the gateway as a client holding an API key."""
+        from services.security.client_auth import client_channel
+        return client_channel(self.gateway_address, bearer=self.api_key(), tls=self.client_tls(None))
+
+    def admin_channel(self):
+        """A blocking channel to the meta-server as the operator (admin token)."""
+        from services.security.client_auth import client_channel
+        from services.security.client_creds import admin_token
+        token = admin_token(self.mesh.security.admin_token_file, environ=self.environ)
+        return client_channel(self.meta_address, bearer=token, tls=self.client_tls(), sync=True)
+
+    def _wait_healthy(self, svc: Service, timeout_s: float) -> None:
+        wait_healthy(svc.address, timeout_s, svc.process, tls=self.client_tls())
+
     def _wait_registered(self, node_ids: list[str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.meta_address) as channel:
-            stub = meta_pb2_grpc.MetaServerStub(channel)
+        with self.admin_channel() as channel:
+            stub = meta_pb2_grpc.MetaAdminStub(channel)
             while True:
-                members = {n.node_id for n in stub.ListMembers(meta_pb2.ListMembersRequest(), timeout=2).nodes}
+                members = {n.info.node_id for n in stub.ListNodes(meta_pb2.ListNodesRequest(), timeout=2).nodes
+                           if n.state != "down"}
                 if set(node_ids) <= members:
                     return
                 if time.monotonic() > deadline:
@@ -142,6 +192,7 @@ class MeshProcesses:
     def start(self, timeout_s: float = 120.0) -> str:
         """Start everything; returns the gateway address. Stops what started on failure."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._make_credentials()
         self._check_ports()
         self._plan()
         try:
@@ -149,17 +200,17 @@ class MeshProcesses:
             store = ["kv-store"] if self.kv_store_address else []
             order = ["meta-server", *standbys, *store, *[n.node_id for n in self.mesh.nodes]]
             self._spawn(self.services["meta-server"])  # first, so it normally leads
-            wait_healthy(self.meta_address, timeout_s, self.services["meta-server"].process)
+            self._wait_healthy(self.services["meta-server"], timeout_s)
             for name in order[1:]:
                 self._spawn(self.services[name])
             for name in order:
                 svc = self.services[name]
-                wait_healthy(svc.address, timeout_s, svc.process)
+                self._wait_healthy(svc, timeout_s)
                 self._say(f"{svc.name:<12} {svc.role:<11} healthy at {svc.address} (pid {svc.process.pid})")
             self._wait_registered([n.node_id for n in self.mesh.nodes], timeout_s)
             gw = self.services["gateway"]
             self._spawn(gw)
-            wait_healthy(gw.address, timeout_s, gw.process)
+            self._wait_healthy(gw, timeout_s)
             self._say(f"{gw.name:<12} {gw.role:<11} healthy at {gw.address} (pid {gw.process.pid})")
         except BaseException as e:
             self.stop()
@@ -178,7 +229,7 @@ class MeshProcesses:
         if env is not None:
             svc.env = dict(env)
         self._spawn(svc)
-        wait_healthy(svc.address, timeout_s, svc.process)
+        self._wait_healthy(svc, timeout_s)
         self._say(f"{svc.name:<12} {svc.role:<11} restarted at {svc.address} (pid {svc.process.pid})")
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:

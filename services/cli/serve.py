@@ -3,6 +3,11 @@
 ROLE is meta-server, gateway, kv-store, prefill, decode or both; engine roles pick their
 entry of `nodes` by --node-id (default: the first node of that role). --port / --meta /
 --kv-store override the file, so a launcher can hand out free ports.
+
+Credentials (services/security/credentials.py): the cluster secret (or TLS files), the
+admin token and the gateway's API keys come from the config's `security:` section and
+`gateway.api_keys_file`, or the environment; never from the command line. Without the
+mesh's identity the service does not start (exit code 2).
 """
 from __future__ import annotations
 
@@ -62,31 +67,38 @@ def _node_config(mesh, role: str, node_id: str):
 
 async def _serve(args) -> None:
     from common.config import load_mesh_config
+    from services.security.credentials import install, load_credentials
     mesh = _apply_overrides(load_mesh_config(args.config), args)
+    node_cfg = _node_config(mesh, args.role, args.node_id) if args.role in ("prefill", "decode", "both") else None
+    name = node_cfg.node_id if node_cfg is not None else args.role
+    credentials = load_credentials(mesh.security, name,
+                                   mesh.gateway.api_keys_file if args.role == "gateway" else "")
+    install(credentials)
     if args.role == "meta-server":
         from services.meta_server.server import create_server
         meta = mesh.meta if args.port is None else dataclasses.replace(mesh.meta, port=args.port)
         server, _ = await create_server(meta, etcd=mesh.etcd_config(),
                                         kv_store_address=mesh.kv_store.address if mesh.kv_store else "",
-                                        kv_store_lookup_s=mesh.timeouts.kv_store_lookup_s)
+                                        kv_store_lookup_s=mesh.timeouts.kv_store_lookup_s,
+                                        credentials=credentials)
 
         async def stop(grace):
             await server.stop(grace)
             await server.close_extras()
     elif args.role == "kv-store":
         from services.kv_store.server import create_server, stop_server
-        server, _ = await create_server(mesh, args.port)
+        server, _ = await create_server(mesh, args.port, credentials)
 
         async def stop(grace):
             await stop_server(server, grace)
     elif args.role == "gateway":
         from services.gateway.server import create_server
-        server, _ = await create_server(mesh, args.port)
+        server, _ = await create_server(mesh, args.port, credentials)
         stop = server.stop
     failed = asyncio.Event()   # set when the service cannot serve any more
     if args.role in ("prefill", "decode", "both"):
         from services.node.node_server import create_node_server, stop_node_server
-        server, _ = await create_node_server(mesh, _node_config(mesh, args.role, args.node_id), args.port)
+        server, _ = await create_node_server(mesh, node_cfg, args.port, credentials)
         failed = server.health.failed
 
         async def stop(grace):

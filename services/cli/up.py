@@ -9,6 +9,13 @@ Lifecycle:
   timings instead) -> stop every service (SIGTERM, SIGKILL after a grace period), a
   status line as each stops.
 
+Credentials: the secrets the config (`security:`, gateway.api_keys_file) and the
+environment do not give are made fresh for this mesh under LOG_DIR/credentials (0600 files:
+cluster_secret, admin_token, api_keys) and handed to the services by environment variables
+naming those files; one line says where. Where the running mesh and its client
+credentials are is recorded in ~/.pdmesh/mesh.json ($PDMESH_STATE_DIR), paths only, so
+that `pdmesh generate --gateway` and `pdmesh admin` work without flags; removed at stop.
+
 Supervising: a service that exits is started again with the same arguments, after a
 back-off that doubles with each restart of it within RESTART_WINDOW_S (0.5 s up to
 MAX_BACKOFF_S), with a status line for the exit and one for the restart; the others keep
@@ -144,14 +151,17 @@ def run(args: argparse.Namespace) -> int:
     mesh = MeshProcesses(args.config, mesh_cfg, log_dir)
     interrupts = _Interrupts()
     code = 0
+    recorded: dict[str, str] = {}
     try:
         address = mesh.start(timeout_s=args.start_timeout)
+        recorded = _record(mesh)
         print(f"gateway ready at {address}", flush=True)
         if args.demo:
             from services.cli.demo import run_demo
             if mesh_cfg.tiny_arch:
                 print("(the tiny model has random weights: its text is gibberish)", flush=True)
-            code = run_demo(address, max_tokens=args.max_tokens)
+            code = run_demo(address, max_tokens=args.max_tokens, api_key=mesh.api_key(),
+                            tls=mesh.client_tls(cert_name=None))
         else:
             code = _supervise(mesh, args.start_timeout)
     except KeyboardInterrupt:
@@ -164,4 +174,23 @@ def run(args: argparse.Namespace) -> int:
     finally:
         interrupts.fired = True
         mesh.stop(grace_s=GRACE_S)
+        if recorded:
+            from services.security.mesh_secrets import clear_state
+            clear_state(recorded)
     return code
+
+
+def _record(mesh) -> dict[str, str]:
+    """~/.pdmesh/mesh.json: where this mesh and its client credentials are."""
+    from services.security.mesh_secrets import write_state
+    environ, sec = mesh.environ, mesh.mesh.security
+    values = {"gateway": mesh.gateway_address, "meta": mesh.meta_address,
+              "kv_store": mesh.kv_store_address,
+              "api_keys_file": mesh.mesh.gateway.api_keys_file or environ.get("PDMESH_API_KEYS_FILE", ""),
+              "admin_token_file": sec.admin_token_file or environ.get("PDMESH_ADMIN_TOKEN_FILE", ""),
+              "tls_dir": sec.tls_dir or environ.get("PDMESH_TLS_DIR", "")}
+    values = {k: (str(Path(v).resolve()) if k.endswith(("_file", "_dir")) and v else v) for k, v in values.items()}
+    path = write_state(values)
+    print(f"client credentials: API key in {values['api_keys_file'] or '(none: the API is open)'}, "
+          f"admin token in {values['admin_token_file'] or '(none)'} (recorded in {path})", flush=True)
+    return values

@@ -19,13 +19,21 @@ def max_model_len(mesh: MeshConfig, max_position_embeddings: int) -> int:
     return min(configured, max_position_embeddings) if configured else max_position_embeddings
 
 
-async def create_server(mesh: MeshConfig, port: int | None = None):
+async def create_server(mesh: MeshConfig, port: int | None = None, credentials=None):
+    """Returns (server, port). credentials: a MeshCredentials (default: what mesh.security,
+    gateway.api_keys_file and the environment give); with API keys, clients must send one."""
     mcfg = load_model_config(mesh.model)
     servicer = GatewayServicer(Tokenizer.from_dir(mesh.model), mesh.resolved_model_id,
                                mcfg.vocab_size, max_model_len(mesh, mcfg.max_position_embeddings),
                                list(mesh.gateway.meta_addresses) or [mesh.meta.address],
-                               mesh.timeouts, mesh.gateway.max_migrations)
-    server = grpc_util.new_server()
+                               mesh.timeouts, mesh.gateway.max_migrations, limits=mesh.limits)
+    if credentials is None:
+        from services.security.credentials import load_credentials
+        credentials = load_credentials(mesh.security, "gateway", mesh.gateway.api_keys_file)
+    if not credentials.api_keys:
+        log.warning("gateway: no API keys configured (gateway.api_keys_file): the public API is open "
+                    "to anyone who reaches its port")
+    server = grpc_util.new_server(credentials, public=True)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
     health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
     bound = grpc_util.bind(server, mesh.gateway.host, mesh.gateway.port if port is None else port)

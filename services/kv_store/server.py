@@ -18,6 +18,7 @@ from services.node.engine_node import transfer_options
 from services.kv_store.redis_tier import RedisTier
 from services.kv_store.servicer import KVStoreServicer
 from services.kv_store.store import KVStore
+from services.node.members_view import MembersView
 
 log = logging.getLogger("pdmesh.kv_store")
 SERVICE_NAME = kv_store_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
@@ -29,8 +30,9 @@ async def _expire_loop(store: KVStore, period_s: float) -> None:
         store.expire()
 
 
-async def create_server(mesh: MeshConfig, port: int | None = None):
-    """Returns (server, port); server.store is the KVStore."""
+async def create_server(mesh: MeshConfig, port: int | None = None, credentials=None):
+    """Returns (server, port); server.store is the KVStore. credentials: a MeshCredentials
+    (default: what mesh.security and the environment give)."""
     cfg = mesh.kv_store
     if cfg is None:
         raise ValueError("the mesh config has no kv_store section")
@@ -39,8 +41,12 @@ async def create_server(mesh: MeshConfig, port: int | None = None):
     redis = None
     if cfg.redis_url:
         redis = RedisTier(cfg.redis_url, key_prefix=f"pdmesh:{mesh.cluster}:kv", ttl_s=cfg.redis_ttl_s)
-    store = KVStore(cfg, transfer, redis, timeouts=mesh.timeouts)
-    server = grpc_util.new_server()
+    if credentials is None:
+        from services.security.credentials import load_credentials
+        credentials = load_credentials(mesh.security, "kv-store")
+    # key spaces only for models that live members serve (their list from the meta-server)
+    store = KVStore(cfg, transfer, redis, timeouts=mesh.timeouts, members=MembersView.for_mesh(mesh, credentials))
+    server = grpc_util.new_server(credentials)
     kv_store_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(store), server)
     health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
     bound = grpc_util.bind(server, cfg.host, cfg.port if port is None else port)

@@ -76,16 +76,18 @@ class MetaControl:
             return None  # led when etcd went away: keep routing on the last view meanwhile
         return f"meta-server {self.candidate_id} is a standby; another meta-server leads"
 
-    def register(self, info: common_pb2.NodeInfo, ttl_s: float) -> float:
-        """RegistrationRefusedError where nodes register in etcd."""
-        return self.registry.register(info, ttl_s)
+    def register(self, info: common_pb2.NodeInfo, instance_id: str = "") -> float:
+        """Returns the TTL granted. RegistrationRefusedError where nodes register in etcd;
+        RegistrationConflictError when another live process holds the node_id."""
+        return self.registry.register(info, instance_id)
 
-    def heartbeat(self, node_id: str, load: common_pb2.NodeLoad) -> bool:
-        return self.registry.heartbeat(node_id, load)
+    def heartbeat(self, node_id: str, load: common_pb2.NodeLoad, instance_id: str = "") -> bool:
+        return self.registry.heartbeat(node_id, load, instance_id)
 
-    def deregister(self, node_id: str) -> None:
-        """RegistrationRefusedError where nodes register in etcd."""
-        self.registry.deregister(node_id)
+    def deregister(self, node_id: str, instance_id: str = "") -> None:
+        """RegistrationRefusedError where nodes register in etcd; RegistrationConflictError
+        when another live process holds the node_id."""
+        self.registry.deregister(node_id, instance_id)
 
     def route(self, request: RouteRequest) -> RouteDecision:
         return self.router.route(self.registry.alive(), request, self.admin.policy(),

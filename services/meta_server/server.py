@@ -37,13 +37,14 @@ SERVICE_NAMES = [SERVICES["MetaServer"].full_name, SERVICES["MetaAdmin"].full_na
 
 async def create_server(cfg: MetaConfig, port: int | None = None,
                         admin_state: AdminState | None = None, etcd=None, kv_store_address: str = "",
-                        kv_store_lookup_s: float = 0.05):
+                        kv_store_lookup_s: float = 0.05, credentials=None):
     """etcd: an EtcdConfig (the mesh has an etcd_endpoint). Then the node table is an
     EtcdRegistry, the admin state lives in etcd and the meta-servers sharing it elect a
     leader; else the embedded registry, in-memory admin state and no election.
     kv_store_address: the kv-store whose hits cache_aware routing counts (each Lookup
     bounded by kv_store_lookup_s, timeouts.kv_store_lookup_s). Call
-    `await server.close_extras()` after stopping."""
+    `await server.close_extras()` after stopping. credentials: a MeshCredentials (default
+    the process's: services/security/credentials.py)."""
     cluster = None
     if etcd is not None:
         from common.cluster.etcd import EtcdCluster
@@ -54,7 +55,7 @@ async def create_server(cfg: MetaConfig, port: int | None = None,
     control = MetaControl(create_registry(cfg, cluster),
                           Router(cfg.local_prefill_max_tokens, cfg.prefill_queue_threshold), admin)
     await control.registry.start()
-    server = grpc_util.new_server()
+    server = grpc_util.new_server(credentials)
     store_hits = StoreHits(kv_store_address, kv_store_lookup_s) if kv_store_address else None
     meta_pb2_grpc.add_MetaServerServicer_to_server(MetaServicer(control, store_hits), server)
     meta_pb2_grpc.add_MetaAdminServicer_to_server(MetaAdminServicer(control), server)

@@ -36,8 +36,24 @@ def transfer_options(mesh: MeshConfig, advertised_host: str) -> dict:
         return dict(hostname=hostname, protocol=t.protocol, metadata_server=t.metadata_server,
                     device_name=t.device_name, timeout_s=timeout_s)
     if t.backend == "grpc":
-        return dict(host=hostname, timeout_s=timeout_s)
+        return dict(host=hostname, timeout_s=timeout_s, **grpc_transfer_security())
     return {}
+
+
+def grpc_transfer_security(credentials=None) -> dict:
+    """The `grpc` transfer backend's receiver admits only the mesh (as every gRPC server
+    does) and its writer dials with the mesh's identity."""
+    from services.security.client_auth import mesh_channel
+    from services.security.credentials import process_credentials
+    from services.security.server_auth import SyncAuthInterceptor
+    creds = credentials or process_credentials()
+    server_credentials = None
+    if creds.tls is not None:
+        server_credentials = grpc.ssl_server_credentials([(creds.tls.key, creds.tls.cert)],
+                                                         root_certificates=creds.tls.ca, require_client_auth=True)
+    return dict(interceptors=(SyncAuthInterceptor(creds, tls_peers=creds.tls is not None),),
+                server_credentials=server_credentials,
+                channel_factory=lambda peer, options: mesh_channel(peer, creds, options=options, sync=True))
 
 
 class EngineNode:

@@ -1,4 +1,7 @@
-"""What every pdmesh gRPC server shares: message-size options, health and reflection."""
+"""What every pdmesh gRPC server and channel shares: message-size options, health and
+reflection, and the mesh's security (services/security): every server checks who calls
+(AuthInterceptor) and binds with TLS when the credentials carry it; every channel from
+one service to another carries the mesh's identity."""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +10,10 @@ import socket
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from services.security.client_auth import mesh_channel
+from services.security.credentials import MeshCredentials, MissingCredentialsError, process_credentials
+from services.security.server_auth import AuthInterceptor
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Back-pressure of the request plane. A client keeps at most MAX_CALLS_PER_PEER calls in
@@ -22,11 +29,23 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def new_server() -> grpc.aio.Server:
-    """SO_REUSEPORT off (gRPC turns it on by default): a second server on a taken port
-    must fail to bind, not silently share the port with the first."""
-    return grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
-                           maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
+def new_server(credentials: MeshCredentials | None = None, public: bool = False) -> grpc.aio.Server:
+    """A server that admits only the callers `credentials` (default: the process's) allow.
+    public: the gateway's port (clients connect without a certificate); every other port
+    asks its peers for one when TLS is on (mTLS). MissingCredentialsError when the
+    credentials carry no mesh identity. SO_REUSEPORT off (gRPC turns it on by default): a
+    second server on a taken port must fail to bind, not silently share the port."""
+    creds = credentials or process_credentials()
+    if not creds.has_identity:
+        raise MissingCredentialsError(
+            "no cluster secret: set security.cluster_secret_file (or $PDMESH_CLUSTER_SECRET_FILE / "
+            "$PDMESH_CLUSTER_SECRET), or security.tls_dir; `pdmesh up` makes them for you")
+    mtls = creds.tls is not None and not public
+    server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
+                             interceptors=[AuthInterceptor(creds, tls_peers=mtls)],
+                             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
+    server.pdmesh_credentials, server.pdmesh_mtls = creds, mtls
+    return server
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
@@ -44,8 +63,15 @@ async def mark_serving(servicer, service_names: list[str]) -> None:
 
 
 def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Bind host:port (0 = a free port); returns the port. RuntimeError if taken."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+    """Bind host:port (0 = a free port), with TLS when the server's credentials carry it;
+    returns the port. RuntimeError if taken."""
+    tls = server.pdmesh_credentials.tls
+    if tls is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        creds = grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.ca,
+                                            require_client_auth=server.pdmesh_mtls)
+        bound = server.add_secure_port(f"{host}:{port}", creds)
     if bound == 0:
         raise RuntimeError(f"cannot bind {host}:{port} (address in use?)")
     return bound
@@ -78,8 +104,9 @@ RECONNECT_OPTIONS = [
 ]
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])
+def channel(address: str, credentials: MeshCredentials | None = None) -> grpc.aio.Channel:
+    """A channel to another service of the mesh, carrying this process's identity."""
+    return mesh_channel(address, credentials, options=[*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:

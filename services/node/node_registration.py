@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import secrets
 import logging
 from typing import Callable
 
@@ -92,6 +93,7 @@ class RpcRegistration(NodeRegistration):
         self._channel = grpc_util.channel(meta_address)
         self._stub = meta_pb2_grpc.MetaServerStub(self._channel)
         self._registered = False
+        self.instance_id = secrets.token_hex(16)   # this process: the registry tells it from another
 
     @property
     def registered(self) -> bool:
@@ -102,14 +104,15 @@ class RpcRegistration(NodeRegistration):
         try:
             if self._registered:
                 try:
-                    await self._stub.Heartbeat(meta_pb2.HeartbeatRequest(node_id=info.node_id, load=info.load),
+                    await self._stub.Heartbeat(meta_pb2.HeartbeatRequest(node_id=info.node_id, load=info.load,
+                                                                         instance_id=self.instance_id),
                                                timeout=self.ttl_s)
                     return
                 except grpc.aio.AioRpcError as e:
                     if e.code() != grpc.StatusCode.NOT_FOUND:
                         raise
                     self._registered = False       # the meta-server forgot us: register now
-            await self._stub.Register(meta_pb2.RegisterRequest(node=info, ttl_seconds=self.ttl_s),
+            await self._stub.Register(meta_pb2.RegisterRequest(node=info, instance_id=self.instance_id),
                                       timeout=self.ttl_s)
             self._registered = True
             log.info("%s registered with the meta-server at %s", info.node_id, self.meta_address)
@@ -119,7 +122,8 @@ class RpcRegistration(NodeRegistration):
 
     async def _leave(self) -> None:
         try:
-            await self._stub.Deregister(meta_pb2.DeregisterRequest(node_id=self.node_info().node_id), timeout=1)
+            await self._stub.Deregister(meta_pb2.DeregisterRequest(node_id=self.node_info().node_id,
+                                                                   instance_id=self.instance_id), timeout=1)
         except grpc.aio.AioRpcError:
             pass
         self._registered = False

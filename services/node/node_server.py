@@ -16,13 +16,19 @@ log = logging.getLogger("pdmesh.node")
 SERVICES = engine_pb2.DESCRIPTOR.services_by_name
 
 
-async def create_node_server(mesh: MeshConfig, node_cfg: NodeConfig, port: int | None = None):
-    """Returns (server, port); server.node is the EngineNode; stop with stop_node_server."""
+async def create_node_server(mesh: MeshConfig, node_cfg: NodeConfig, port: int | None = None,
+                             credentials=None):
+    """Returns (server, port); server.node is the EngineNode; stop with stop_node_server.
+    credentials: a MeshCredentials (default: what mesh.security and the environment give
+    for node_cfg.node_id)."""
     from services.decode.servicer import DecodeServicer
     from services.prefill.servicer import PrefillServicer
 
+    if credentials is None:
+        from services.security.credentials import load_credentials
+        credentials = load_credentials(mesh.security, node_cfg.node_id)
+    server = grpc_util.new_server(credentials)   # before the engine loads: no identity, no start
     node = EngineNode(mesh, node_cfg)
-    server = grpc_util.new_server()
     if node_cfg.role == "prefill":
         server.servicer = PrefillServicer(node)
         engine_pb2_grpc.add_PrefillServicer_to_server(server.servicer, server)

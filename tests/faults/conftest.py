@@ -16,6 +16,7 @@ from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
 from services.cli.launcher import MeshProcesses
 from tests.faults.workload import ENGINE, Workload
 from tests.integration.conftest import engine_stats, launch, mesh_dict
+from tests.channels import operator_channel_sync
 
 TTL_S = 2.0
 TIMEOUTS = {"transfer_s": 1.0, "cancel_ack_s": 3.0, "prefill_s": 5.0, "request_s": 80.0, "progress_s": 1.0}
@@ -59,7 +60,7 @@ def work(model):
 
 def members(mesh) -> set[str]:
     try:
-        with grpc.insecure_channel(mesh.meta_address) as ch:
+        with operator_channel_sync(mesh.meta_address) as ch:
             nodes = meta_pb2_grpc.MetaServerStub(ch).ListMembers(meta_pb2.ListMembersRequest(), timeout=2).nodes
     except grpc.RpcError:
         return set()

@@ -19,6 +19,7 @@ import grpc
 
 from common.engine import LLM, SamplingParams
 from protos.pdmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.channels import operator_channel
 
 NUM_REQUESTS = 32
 ENGINE = {"num_blocks": 1024, "max_num_seqs": 32, "max_model_len": 1024}
@@ -92,7 +93,7 @@ class Workload:
                   ) -> tuple[list[Outcome], object]:
         """Every request at once; `fault(progress)` runs alongside (its result is returned)."""
         progress = Progress()
-        async with grpc.aio.insecure_channel(gateway) as ch:
+        async with operator_channel(gateway) as ch:
             stub = gateway_pb2_grpc.GatewayStub(ch)
             streams = [asyncio.ensure_future(self._one(stub, i, progress)) for i in range(NUM_REQUESTS)]
             injected = await fault(progress) if fault is not None else None
@@ -101,7 +102,7 @@ class Workload:
 
     async def run_one(self, gateway: str, i: int) -> tuple[Outcome, None]:
         """Request i alone."""
-        async with grpc.aio.insecure_channel(gateway) as ch:
+        async with operator_channel(gateway) as ch:
             return await self._one(gateway_pb2_grpc.GatewayStub(ch), i, Progress()), None
 
     def row(self, case: str, outcomes: list[Outcome], baseline: list[Outcome],

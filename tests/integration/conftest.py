@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import random
 
-import grpc
 import pytest
 import yaml
 
 from common.config import mesh_config_from_dict
 from protos.pdmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.cli.launcher import MeshProcesses
+from tests.channels import operator_channel_sync
 
 ENGINE = {"num_blocks": 512, "max_num_seqs": 32, "max_model_len": 2048}
 
@@ -52,7 +52,7 @@ def start_mesh(tmp_path_factory):
 
 
 def engine_stats(address: str, role: str) -> engine_pb2.EngineStats:
-    with grpc.insecure_channel(address) as ch:
+    with operator_channel_sync(address) as ch:
         stub = engine_pb2_grpc.PrefillStub(ch) if role == "prefill" else engine_pb2_grpc.DecodeStub(ch)
         return stub.GetEngineStats(engine_pb2.EngineStatsRequest(), timeout=5)
 

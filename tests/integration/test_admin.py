@@ -10,13 +10,13 @@ import subprocess
 import sys
 import time
 
-import grpc
 import pytest
 
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
 from services.cli.launcher import ROOT
 from tests.integration.conftest import engine_stats
 from tests.integration.test_mesh import request, stream
+from tests.channels import operator_channel, operator_channel_sync
 
 NODES = [("prefill", "prefill-0"), ("prefill", "prefill-1"), ("decode", "decode-0"), ("decode", "decode-1")]
 TTL = 2.0
@@ -40,7 +40,7 @@ def mesh(request, tiny_model, start_mesh, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def admin(mesh):
-    with grpc.insecure_channel(mesh.meta_address) as ch:
+    with operator_channel_sync(mesh.meta_address) as ch:
         yield meta_pb2_grpc.MetaAdminStub(ch)
 
 
@@ -157,7 +157,7 @@ def test_killed_decode_node_is_down_within_ttl_and_requests_complete_elsewhere(m
     before = routed(admin)
 
     async def watch_until_down(killed_at: float) -> float:
-        async with grpc.aio.insecure_channel(mesh.meta_address) as ch:
+        async with operator_channel(mesh.meta_address) as ch:
             stub = meta_pb2_grpc.MetaAdminStub(ch)
             while True:
                 nodes = (await stub.ListNodes(meta_pb2.ListNodesRequest(), timeout=5)).nodes

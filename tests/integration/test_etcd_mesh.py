@@ -11,12 +11,13 @@ import grpc
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
 from tests.etcd_server import EtcdServer
 from tests.integration.test_mesh import assert_no_blocks_in_use, request, stream
+from tests.channels import operator_channel_sync
 
 TTL = 2.0
 
 
 def listed(mesh) -> set[str]:
-    with grpc.insecure_channel(mesh.meta_address) as ch:
+    with operator_channel_sync(mesh.meta_address) as ch:
         nodes = meta_pb2_grpc.MetaServerStub(ch).ListMembers(meta_pb2.ListMembersRequest(), timeout=5).nodes
     return {n.node_id for n in nodes}
 
@@ -56,7 +57,7 @@ def test_etcd_outage_while_serving(tiny_model, start_mesh, tmp_path):
 
 
 def admin_call(address: str, method: str, request, timeout: float = 5.0):
-    with grpc.insecure_channel(address) as ch:
+    with operator_channel_sync(address) as ch:
         return getattr(meta_pb2_grpc.MetaAdminStub(ch), method)(request, timeout=timeout)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
 import pytest
 
 from common.engine import LLM, SamplingParams
@@ -18,6 +17,7 @@ from protos.pdmesh.v1 import kv_store_pb2, kv_store_pb2_grpc
 from tests.integration.conftest import ENGINE
 from tests.integration.test_mesh import assert_no_blocks_in_use, request, stream
 from tests.redis_server import RedisServer
+from tests.channels import operator_channel_sync
 
 PREFIX = [(7919 * i) % 1000 + 3 for i in range(512)]          # 32 blocks of 16
 TAILS = [[(104729 * (k + 1) + 13 * i) % 1000 + 3 for i in range(40)] for k in range(4)]
@@ -50,7 +50,7 @@ def cold_tokens(model):
 
 
 def store_stats(mesh) -> kv_store_pb2.StatsResponse:
-    with grpc.insecure_channel(mesh.services["kv-store"].address) as ch:
+    with operator_channel_sync(mesh.services["kv-store"].address) as ch:
         return kv_store_pb2_grpc.KVStoreStub(ch).Stats(kv_store_pb2.StatsRequest(), timeout=5)
 
 

@@ -1,6 +1,8 @@
 """The kv-store as a process (`pdmesh serve kv-store`), driven over real gRPC by a client
 with its own Mooncake (TCP) engine and KV cache, with a real Redis: watermark eviction,
-pins, reservation expiry, bytes through Redis, key-space isolation and status codes."""
+pins, reservation expiry, bytes through Redis, key-space isolation and status codes.
+A meta-server process lists the members whose models may have key spaces (MODELS,
+registered by the fixture with the test's layout)."""
 from __future__ import annotations
 
 import json
@@ -20,15 +22,17 @@ from common.transfer import create_transfer
 from common.transfer.kv_writes import KVSender
 from common.transfer.layout import KVLayout
 from protos.pdmesh.v1 import kv_store_pb2 as pb
-from protos.pdmesh.v1 import kv_store_pb2_grpc
+from protos.pdmesh.v1 import common_pb2, kv_store_pb2_grpc, meta_pb2, meta_pb2_grpc
 from services.cli.launcher import wait_healthy
 from tests.server_process import free_port
 from tests.redis_server import RedisServer
+from tests.channels import operator_channel_sync
 
 ROOT = Path(__file__).resolve().parents[2]
 BS, LAYERS, HEADS, DIM = 16, 2, 2, 16
 SLOT_BYTES = LAYERS * 2 * BS * HEADS * DIM * 4              # 8 KiB per block
 NUM_SLOTS = 10                                              # high 8, low 5
+MODELS = ("m", "other", "codes", "space-0", "space-1", "space-2", "space-3")   # served by live members
 
 
 @pytest.fixture(scope="module")
@@ -40,26 +44,44 @@ def redis(tmp_path_factory):
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, redis):
     root = tmp_path_factory.mktemp("kv-store")
-    port = free_port()
+    port, meta_port = free_port(), free_port()
     raw = {"model": str(root / "unused"), "transfer": {"backend": "mooncake"},
+           "meta_server": {"port": meta_port, "ttl_seconds": 3600.0},
            "kv_store": {"port": port, "capacity_mb": NUM_SLOTS * SLOT_BYTES / (1 << 20), "max_spaces": 3,
                         "high_watermark": 0.8, "low_watermark": 0.5, "redis_url": redis.url},
            "timeouts": {"transfer_s": 0.5, "kv_store_reserve_lease_s": 2.0, "kv_store_pin_lease_s": 30.0}}
     (root / "mesh.yaml").write_text(yaml.safe_dump(raw))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with open(root / "kv-store.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "kv-store", "--config",
-                                 str(root / "mesh.yaml")], stdout=log, stderr=subprocess.STDOUT, env=env)
+    procs = []
+    for role in ("meta-server", "kv-store"):
+        with open(root / f"{role}.log", "wb") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "services.cli", "serve", role, "--config",
+                                           str(root / "mesh.yaml")], stdout=log, stderr=subprocess.STDOUT, env=env))
+    meta, proc = procs
     address = f"127.0.0.1:{port}"
     try:
+        wait_healthy(f"127.0.0.1:{meta_port}", 60, meta)
+        register_members(f"127.0.0.1:{meta_port}")
         wait_healthy(address, 60, proc)
-        with grpc.insecure_channel(address) as channel:
+        with operator_channel_sync(address) as channel:
             stub = kv_store_pb2_grpc.KVStoreStub(channel)
             stub.address = address
             yield stub
     finally:
-        proc.terminate()
-        proc.wait(timeout=15)
+        for p in procs:
+            p.terminate()
+            p.wait(timeout=15)
+
+
+def register_members(meta_address: str) -> None:
+    """One live prefill member per model of MODELS, with the layout of Node's cache."""
+    layout = Node.cache_layout()
+    with operator_channel_sync(meta_address) as channel:
+        stub = meta_pb2_grpc.MetaServerStub(channel)
+        for i, model_id in enumerate(MODELS):
+            info = common_pb2.NodeInfo(node_id=f"member-{i}", role="prefill", address=f"127.0.0.1:{40000 + i}",
+                                       model_id=model_id, kv_layout=layout.to_proto())
+            stub.Register(meta_pb2.RegisterRequest(node=info, ttl_seconds=3600.0, instance_id=f"i{i}"), timeout=5)
 
 
 class Node:
@@ -74,6 +96,10 @@ class Node:
         self.sender = KVSender(self.transfer, self.layout)
         self.space = pb.KeySpace(model_id=model_id, layout=self.layout.to_proto())
         self.model_id = model_id
+
+    @staticmethod
+    def cache_layout() -> KVLayout:
+        return KVLayout.of_tensor(torch.zeros(LAYERS, 2, 32, BS, HEADS, DIM))
 
     def chain(self, tokens: list[int]) -> list[bytes]:
         return hash_block_chain(tokens, BS, self.model_id, layout_key(self.layout))

@@ -11,6 +11,7 @@ import pytest
 from common.engine import LLM, SamplingParams
 from protos.pdmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.integration.conftest import ENGINE, engine_stats, mixed_prompts
+from tests.channels import operator_channel, operator_channel_sync
 
 MAX_TOKENS = [5, 40, 17, 33, 8, 24, 12, 3, 40, 22, 9, 30, 31, 2, 28, 19]
 
@@ -44,7 +45,7 @@ def request(ids=None, prompt=None, max_tokens=16, **sampling):
 
 
 async def stream(address: str, req) -> tuple[list[int], str, list]:
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with operator_channel(address) as ch:
         msgs = [m async for m in gateway_pb2_grpc.GatewayStub(ch).Generate(req)]
     tokens = [t for m in msgs for t in m.token_ids]
     return tokens, "".join(m.text for m in msgs), msgs
@@ -87,7 +88,7 @@ def assert_no_blocks_in_use(mesh, timeout_s: float = 5.0):
 
 def kv_store_stats(address: str):
     from protos.pdmesh.v1 import kv_store_pb2, kv_store_pb2_grpc
-    with grpc.insecure_channel(address) as ch:
+    with operator_channel_sync(address) as ch:
         return kv_store_pb2_grpc.KVStoreStub(ch).Stats(kv_store_pb2.StatsRequest(), timeout=5)
 
 
@@ -159,7 +160,7 @@ def test_stop_strings_cut_exactly(pd_mesh):
 
 def test_cancel_mid_stream_frees_every_block(pd_mesh):
     async def cancel_after(n):
-        async with grpc.aio.insecure_channel(pd_mesh.gateway_address) as ch:
+        async with operator_channel(pd_mesh.gateway_address) as ch:
             call = gateway_pb2_grpc.GatewayStub(ch).Generate(request(list(range(5, 300)), max_tokens=1500))
             got = 0
             async for m in call:
@@ -207,7 +208,7 @@ def test_tokenize_and_list_models(pd_mesh, model):
     tok = Tokenizer.from_dir(model)
 
     async def calls():
-        async with grpc.aio.insecure_channel(pd_mesh.gateway_address) as ch:
+        async with operator_channel(pd_mesh.gateway_address) as ch:
             stub = gateway_pb2_grpc.GatewayStub(ch)
             t = await stub.Tokenize(gateway_pb2.TokenizeRequest(text="hello world", add_special_tokens=True))
             m = await stub.ListModels(gateway_pb2.ListModelsRequest())
@@ -225,7 +226,7 @@ def test_every_service_has_health_and_reflection(pd_mesh):
     expected = {"meta-server": "pdmesh.v1.MetaServer", "prefill": "pdmesh.v1.Prefill",
                 "decode": "pdmesh.v1.Decode", "gateway": "pdmesh.v1.Gateway"}
     for svc in pd_mesh.services.values():
-        with grpc.insecure_channel(svc.address) as ch:
+        with operator_channel_sync(svc.address) as ch:
             status = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=expected[svc.role]), timeout=5).status
             assert status == health_pb2.HealthCheckResponse.SERVING

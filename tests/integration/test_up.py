@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from services.cli.client import stream_generate
+from tests.channels import operator_channel
 
 ROOT = Path(__file__).resolve().parents[2]
 READY = re.compile(r"^gateway ready at (\S+)$")
@@ -127,7 +128,7 @@ def test_up_serves_then_stops_cleanly_on_sigterm(tmp_path, model_dir):
         assert (model / "config.json").exists()
 
         async def one():
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with operator_channel(address) as channel:
                 return await stream_generate(channel, "Hello there", max_tokens=8, ignore_eos=True)
         result = asyncio.run(one())
         assert len(result.token_ids) == 8 and result.finish_reason == "length"
@@ -173,7 +174,7 @@ def test_up_restarts_a_service_that_dies_and_keeps_serving(tmp_path, model_dir):
         address = up.wait_for(READY, 90)[1]
 
         async def one():
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with operator_channel(address) as channel:
                 return await stream_generate(channel, "Hello there", max_tokens=8, ignore_eos=True)
         want = asyncio.run(one()).token_ids
         for name in ("prefill-0", "decode-0"):

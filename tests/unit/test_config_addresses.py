@@ -26,6 +26,8 @@ def test_transfer_hostname_empty_means_the_node_name():
     assert transfer_options(mesh, mesh.node("p").advertised_host)["hostname"] == "prefill"
     assert transfer_options(mesh, mesh.node("d").advertised_host)["hostname"] == "decode"
     grpc_mesh = mesh_config_from_dict({**raw, "transfer": {"backend": "grpc", "hostname": ""}})
-    assert transfer_options(grpc_mesh, grpc_mesh.node("p").advertised_host) == {"host": "prefill", "timeout_s": 5.0}
+    options = transfer_options(grpc_mesh, grpc_mesh.node("p").advertised_host)
+    assert {k: options[k] for k in ("host", "timeout_s")} == {"host": "prefill", "timeout_s": 5.0}
+    assert sorted(options) == ["channel_factory", "host", "interceptors", "server_credentials", "timeout_s"]
     fixed = mesh_config_from_dict({**raw, "transfer": {"backend": "mooncake", "hostname": "10.1.1.1"}})
     assert transfer_options(fixed, fixed.node("p").advertised_host)["hostname"] == "10.1.1.1"

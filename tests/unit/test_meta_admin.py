@@ -13,6 +13,7 @@ import pytest
 from common.config import MetaConfig
 from protos.pdmesh.v1 import common_pb2, meta_pb2, meta_pb2_grpc
 from services.meta_server.server import create_server
+from tests.channels import operator_channel, operator_channel_sync
 
 TTL = 2.0
 
@@ -33,7 +34,7 @@ def run_with_meta(test, admin_state=None, **cfg):
         server.control.registry.clock = lambda: clock[0]
         address = f"127.0.0.1:{port}"
         try:
-            async with grpc.aio.insecure_channel(address) as ch:
+            async with operator_channel(address) as ch:
                 meta, admin = meta_pb2_grpc.MetaServerStub(ch), meta_pb2_grpc.MetaAdminStub(ch)
                 for node_id, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode")):
                     await meta.Register(meta_pb2.RegisterRequest(node=node(node_id, role)))
@@ -159,7 +160,7 @@ def test_health_and_reflection_list_both_services():
 
     async def test(meta, admin, server, clock, address):
         def check():
-            with grpc.insecure_channel(address) as ch:
+            with operator_channel_sync(address) as ch:
                 for name in ("pdmesh.v1.MetaServer", "pdmesh.v1.MetaAdmin"):
                     status = health_pb2_grpc.HealthStub(ch).Check(
                         health_pb2.HealthCheckRequest(service=name), timeout=5).status

@@ -36,7 +36,7 @@ async def start_meta(port: int = 0, leading: bool | None = None,
     if leading is not None:
         server.control.election = FakeElection(leading)
     for node_id, role in nodes:
-        server.control.register(node(node_id, role), 60.0)
+        server.control.register(node(node_id, role))
     return server, f"127.0.0.1:{port}"
 
 

@@ -18,6 +18,7 @@ from protos.pdmesh.v1 import (common_pb2, engine_pb2, engine_pb2_grpc, gateway_p
                               meta_pb2_grpc)
 from services.gateway.servicer import GatewayServicer
 from services.meta_server.server import create_server
+from tests.channels import operator_channel
 
 PROMPT = [5, 6, 7, 8]
 pytestmark = pytest.mark.timeout(60)
@@ -43,7 +44,7 @@ class BreakingDecode(engine_pb2_grpc.DecodeServicer):
 async def start_mesh(model_dir, num_nodes: int, max_migrations: int, script: list[int] = SCRIPT):
     meta, meta_port = await create_server(MetaConfig(port=0, ttl_seconds=30.0))
     nodes, servers = [], []
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{meta_port}")
+    channel = operator_channel(f"127.0.0.1:{meta_port}")
     for i in range(num_nodes):
         servicer, server = BreakingDecode(script), grpc.aio.server()
         engine_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
@@ -77,7 +78,7 @@ async def generate(address: str, max_tokens: int, stop: list[str] = ()):
                                                                          temperature=0.8, stop=stop))
     req.prompt_token_ids.ids.extend(PROMPT)
     msgs, error = [], None
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with operator_channel(address) as ch:
         try:
             async for m in gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=20):
                 msgs.append(m)

@@ -18,6 +18,7 @@ from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, meta_pb2, 
 from services.meta_server.server import create_server
 from services.node.fault_injection import _fail_next_step
 from services.node.node_server import create_node_server, stop_node_server
+from tests.channels import operator_channel
 
 TTL = 1.0
 STALL_S = 0.5
@@ -35,8 +36,8 @@ class Mesh:
                           timeouts=TimeoutConfig(stall_s=STALL_S))
         self.node_server, port = await create_node_server(mesh, NodeConfig("decode", "decode-0"), 0)
         self.node = self.node_server.node
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        self.meta_channel = grpc.aio.insecure_channel(f"127.0.0.1:{meta_port}")
+        self.channel = operator_channel(f"127.0.0.1:{port}")
+        self.meta_channel = operator_channel(f"127.0.0.1:{meta_port}")
         await self.wait(lambda: self.members(), "registration")
         return self
 

@@ -12,6 +12,7 @@ from services.meta_server.registry import DOWN, UP
 from services.meta_server.server import create_server
 from services.node.node_registration import EtcdRegistration, RpcRegistration, create_registration
 from tests.etcd_server import etcd_server, loop, run, wait_until  # noqa: F401  (fixtures)
+from tests.channels import operator_channel
 
 TTL = 1.0
 REPORT_S = TTL / 3 + 0.5          # one report period, with room for a loaded machine
@@ -74,7 +75,7 @@ def test_meta_server_over_etcd_refuses_rpc_registration(etcd_server, run):
         server, port = await create_server(MetaConfig(port=0, ttl_seconds=TTL),
                                            etcd=EtcdConfig(endpoint=etcd_server.endpoint, cluster="refuse"))
         try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            async with operator_channel(f"127.0.0.1:{port}") as ch:
                 stub = meta_pb2_grpc.MetaServerStub(ch)
                 for call in (stub.Register(meta_pb2.RegisterRequest(node=Node().info())),
                              stub.Heartbeat(meta_pb2.HeartbeatRequest(node_id="d0")),

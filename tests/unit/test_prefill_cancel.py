@@ -20,7 +20,9 @@ from common.transfer.fake import FakeTransfer
 from common.transfer.kv_writes import KVSender
 from common.transfer.layout import KVLayout
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.node.members_view import MembersView
 from services.prefill.servicer import PrefillServicer
+from tests.channels import operator_channel
 
 
 def test_unary_cancel_of_a_queued_prefill_ends_it_cancelled(tiny_model):
@@ -33,7 +35,9 @@ def test_unary_cancel_of_a_queued_prefill_ends_it_cancelled(tiny_model):
     node = SimpleNamespace(engine=AsyncEngine(engine), sender=KVSender(src, layout),
                            executor=ThreadPoolExecutor(2), kv_store=None, layout=layout,
                            node=NodeConfig("prefill", "prefill-0"), mesh=SimpleNamespace(timeouts=TimeoutConfig()))
-    servicer = PrefillServicer(node)
+    decode_0 = common_pb2.NodeInfo(node_id="decode-0", role="decode", transfer_endpoint=dst.endpoint,
+                                   kv_layout=KVLayout.of_tensor(dest_kv).to_proto())
+    servicer = PrefillServicer(node, MembersView.static([decode_0]))
     prompt = list(range(3, 67))
 
     async def scenario():
@@ -45,7 +49,7 @@ def test_unary_cancel_of_a_queued_prefill_ends_it_cancelled(tiny_model):
         node.engine._submit(lambda: (held.set(), gate.wait(10)))
         assert await asyncio.to_thread(held.wait, 10)
         try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            async with operator_channel(f"127.0.0.1:{port}") as channel:
                 stub = engine_pb2_grpc.PrefillStub(channel)
                 dest = engine_pb2.KVDestination(
                     node_id="decode-0", transfer_endpoint=dst.endpoint,

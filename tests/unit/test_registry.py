@@ -17,7 +17,7 @@ import itertools
 import pytest
 
 from protos.pdmesh.v1 import common_pb2
-from services.meta_server.registry import (DOWN, UP, EmbeddedRegistry, EtcdRegistry,
+from services.meta_server.registry import (DOWN, UP, EmbeddedRegistry, EtcdRegistry, RegistrationConflictError,
                                            RegistrationRefusedError)
 from tests.etcd_server import EtcdServer, etcd_server, loop, run, wait_until  # noqa: F401  (fixtures)
 
@@ -65,13 +65,13 @@ class EmbeddedNodes(Nodes):
         super().__init__(EmbeddedRegistry(default_ttl_s=TTL, clock=clock.now), clock)
 
     async def join(self, node: common_pb2.NodeInfo) -> None:
-        assert self.registry.register(node, TTL) == TTL
+        assert self.registry.register(node) == TTL
         self.live[node.node_id] = node
 
     async def report(self, node: common_pb2.NodeInfo) -> None:
         self.live[node.node_id] = node
         if not self.registry.heartbeat(node.node_id, node.load):
-            self.registry.register(node, TTL)
+            self.registry.register(node)
 
     async def crash(self, node_id: str) -> None:
         """Stops reporting; the others report until it is past its TTL."""
@@ -259,13 +259,30 @@ def test_a_clean_leave(contract):
     contract(scenario)
 
 
-def test_embedded_registry_grants_the_default_ttl():
+def test_embedded_registry_grants_its_own_ttl():
     registry = EmbeddedRegistry(default_ttl_s=3.0)
-    assert registry.register(info("d0", "decode"), 0.0) == 3.0
-    assert registry.register(info("d1", "decode"), 1.5) == 1.5
-    assert [m.ttl_s for m in registry.members()] == [3.0, 1.5]
+    assert registry.register(info("d0", "decode")) == 3.0
+    assert registry.register(info("d1", "decode"), "instance-b") == 3.0
+    assert [m.ttl_s for m in registry.members()] == [3.0, 3.0]
     assert registry.heartbeat("ghost", common_pb2.NodeLoad()) is False
     assert registry.deregister("d0") is True and registry.deregister("d0") is False
+
+
+def test_a_live_node_id_is_refused_to_another_instance_until_its_lease_lapses():
+    clock = FakeClock()
+    registry = EmbeddedRegistry(default_ttl_s=3.0, clock=clock.now)
+    registry.register(info("d0", "decode"), "real")
+    with pytest.raises(RegistrationConflictError):
+        registry.register(info("d0", "decode"), "impostor")
+    with pytest.raises(RegistrationConflictError):
+        registry.deregister("d0", "impostor")
+    assert registry.heartbeat("d0", common_pb2.NodeLoad(running=9), "impostor") is False
+    assert registry.get("d0").instance_id == "real" and registry.get("d0").info.load.running == 0
+    assert registry.heartbeat("d0", common_pb2.NodeLoad(), "real") is True
+    assert registry.register(info("d0", "decode"), "real") == 3.0     # the same process may join again
+    clock.t += 3.1                                                   # the real one stopped reporting
+    assert registry.register(info("d0", "decode"), "restarted") == 3.0
+    assert registry.get("d0").instance_id == "restarted"
 
 
 def test_etcd_registry_refuses_rpc_registration():

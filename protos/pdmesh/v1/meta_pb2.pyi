@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node", "ttl_seconds")
+    __slots__ = ("node", "ttl_seconds", "instance_id")
     NODE_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     node: _common_pb2.NodeInfo
     ttl_seconds: float
-    def __init__(self, node: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, node: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ..., ttl_seconds: _Optional[float] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("ttl_seconds",)
@@ -22,22 +24,26 @@ class RegisterResponse(_message.Message):
     def __init__(self, ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "load")
+    __slots__ = ("node_id", "load", "instance_id")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     load: _common_pb2.NodeLoad
-    def __init__(self, node_id: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.NodeLoad, _Mapping]] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, node_id: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.NodeLoad, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class DeregisterRequest(_message.Message):
-    __slots__ = ("node_id",)
+    __slots__ = ("node_id", "instance_id")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     node_id: str
-    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, node_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class DeregisterResponse(_message.Message):
     __slots__ = ()

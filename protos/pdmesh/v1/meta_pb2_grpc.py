@@ -27,6 +27,9 @@ if _version_not_supported:
 
 class MetaServerStub:
     """Membership (the embedded registry: nodes register and heartbeat with a TTL) and routing.
+    Mesh members only (services/security). The TTL is the registry's own; a node_id that a
+    live member holds is refused to any other instance (PERMISSION_DENIED) until its lease
+    lapses; strings are bounded (INVALID_ARGUMENT).
     """
 
     def __init__(self, channel):
@@ -64,6 +67,9 @@ class MetaServerStub:
 
 class MetaServerServicer:
     """Membership (the embedded registry: nodes register and heartbeat with a TTL) and routing.
+    Mesh members only (services/security). The TTL is the registry's own; a node_id that a
+    live member holds is refused to any other instance (PERMISSION_DENIED) until its lease
+    lapses; strings are bounded (INVALID_ARGUMENT).
     """
 
     def Register(self, request, context):
@@ -136,6 +142,9 @@ def add_MetaServerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class MetaServer:
     """Membership (the embedded registry: nodes register and heartbeat with a TTL) and routing.
+    Mesh members only (services/security). The TTL is the registry's own; a node_id that a
+    live member holds is refused to any other instance (PERMISSION_DENIED) until its lease
+    lapses; strings are bounded (INVALID_ARGUMENT).
     """
 
     @staticmethod

@@ -39,11 +39,16 @@ class RegistrationRefusedError(RuntimeError):
     where they do)."""
 
 
+class RegistrationConflictError(RuntimeError):
+    """Another instance (process) holds this node_id while its lease is live."""
+
+
 @dataclass
 class Member:
     info: common_pb2.NodeInfo          # opaque to the registry; handed back by Route
     ttl_s: float
     last_seen: float                   # the last join or report, by the registry's clock
+    instance_id: str = ""              # the process that joined (RPC registrations)
     routed_since_heartbeat: int = 0    # requests routed here since its last load report
     down_since: float | None = None    # set when it was found gone
 
@@ -92,18 +97,21 @@ class Registry(abc.ABC):
         """Stop following; the table keeps its last view. Idempotent."""
 
     # ---- RPC-fed membership (optional: refused unless overridden) ---------------------
-    def register(self, info: common_pb2.NodeInfo, ttl_s: float = 0.0) -> float:
-        """Add or replace the member, up (a join); returns the TTL granted (ttl_s, or the
-        default when <= 0). RegistrationRefusedError where nodes register elsewhere."""
-        raise RegistrationRefusedError(self.refusal)
-
-    def heartbeat(self, node_id: str, load: common_pb2.NodeLoad) -> bool:
-        """Report the load of an up member; False if unknown or down (register again).
+    def register(self, info: common_pb2.NodeInfo, instance_id: str = "") -> float:
+        """Add or replace the member, up (a join); returns the TTL granted: always the
+        registry's default_ttl_s (a node does not choose it). RegistrationConflictError
+        when an up member of that node_id came from another instance;
         RegistrationRefusedError where nodes register elsewhere."""
         raise RegistrationRefusedError(self.refusal)
 
-    def deregister(self, node_id: str) -> bool:
+    def heartbeat(self, node_id: str, load: common_pb2.NodeLoad, instance_id: str = "") -> bool:
+        """Report the load of an up member; False if unknown, down or joined by another
+        instance (register again). RegistrationRefusedError where nodes register elsewhere."""
+        raise RegistrationRefusedError(self.refusal)
+
+    def deregister(self, node_id: str, instance_id: str = "") -> bool:
         """A node's clean shutdown: forget it at once; False if unknown.
+        RegistrationConflictError when another instance joined it;
         RegistrationRefusedError where nodes register elsewhere."""
         raise RegistrationRefusedError(self.refusal)
 
@@ -132,8 +140,8 @@ class Registry(abc.ABC):
         return self.clock() - member.last_seen
 
     # ---- for implementations --------------------------------------------------------
-    def _join(self, info: common_pb2.NodeInfo, ttl_s: float) -> Member:
-        member = Member(common_pb2.NodeInfo(), ttl_s, self.clock())
+    def _join(self, info: common_pb2.NodeInfo, ttl_s: float, instance_id: str = "") -> Member:
+        member = Member(common_pb2.NodeInfo(), ttl_s, self.clock(), instance_id=instance_id)
         member.info.CopyFrom(info)
         self._members[info.node_id] = member
         log.info("node %s (%s) joined at %s", info.node_id, info.role, info.address)

@@ -1,14 +1,17 @@
 """The embedded registry: the meta-server is the registry itself (no etcd configured).
 
-Nodes feed it over gRPC: Register (a join, with the node's TTL) -> Heartbeat every TTL/3
-with the node's load (a report) -> Deregister on a clean shutdown (forgotten at once).
-A member with no heartbeat for its TTL is gone (down); its next heartbeat returns False
-and the node registers again. Lifecycle and reads: base.Registry.
+Nodes feed it over gRPC: Register (a join; the TTL is the registry's) -> Heartbeat every
+TTL/3 with the node's load (a report) -> Deregister on a clean shutdown (forgotten at
+once). A member with no heartbeat for its TTL is gone (down); its next heartbeat returns
+False and the node registers again. Each call names the node process (instance_id): while
+a member is up, only the instance that joined may report for it, replace it or remove it;
+another one waits until the lease lapsed (a restarted node: at most one TTL). Lifecycle
+and reads: base.Registry.
 """
 from __future__ import annotations
 
 from protos.pdmesh.v1 import common_pb2
-from services.meta_server.registry.base import DOWN, Member, Registry
+from services.meta_server.registry.base import DOWN, Member, RegistrationConflictError, Registry
 
 
 class EmbeddedRegistry(Registry):
@@ -18,21 +21,35 @@ class EmbeddedRegistry(Registry):
     async def close(self) -> None:
         """Nothing to release."""
 
-    def register(self, info: common_pb2.NodeInfo, ttl_s: float = 0.0) -> float:
-        ttl = ttl_s if ttl_s > 0 else self.default_ttl_s
-        self._join(info, ttl)
-        return ttl
-
-    def heartbeat(self, node_id: str, load: common_pb2.NodeLoad) -> bool:
+    def _held_by_other(self, node_id: str, instance_id: str) -> Member | None:
         self._sweep()
         member = self._members.get(node_id)
-        if member is None or member.state == DOWN:
+        if member is not None and member.state != DOWN and member.instance_id != instance_id:
+            return member
+        return None
+
+    def register(self, info: common_pb2.NodeInfo, instance_id: str = "") -> float:
+        holder = self._held_by_other(info.node_id, instance_id)
+        if holder is not None:
+            left = holder.ttl_s - self.seconds_since_heartbeat(holder)
+            raise RegistrationConflictError(
+                f"node_id {info.node_id!r} is held by another live process; it may register in {left:.1f}s "
+                "if that one stops reporting")
+        self._join(info, self.default_ttl_s, instance_id)
+        return self.default_ttl_s
+
+    def heartbeat(self, node_id: str, load: common_pb2.NodeLoad, instance_id: str = "") -> bool:
+        self._sweep()
+        member = self._members.get(node_id)
+        if member is None or member.state == DOWN or member.instance_id != instance_id:
             return False
         member.info.load.CopyFrom(load)
         self._report(member)
         return True
 
-    def deregister(self, node_id: str) -> bool:
+    def deregister(self, node_id: str, instance_id: str = "") -> bool:
+        if self._held_by_other(node_id, instance_id) is not None:
+            raise RegistrationConflictError(f"node_id {node_id!r} was registered by another process")
         return self._forget(node_id)
 
     def _expired(self, member: Member, now: float) -> bool:
