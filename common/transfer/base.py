@@ -92,5 +92,12 @@ class TransferEngine(ABC):
         memory into local memory; returns the number of bytes read once all have arrived.
         Raises TransferError (then the local ranges hold unknown bytes)."""
 
+    @property
+    def listen_addresses(self) -> tuple[str, ...]:
+        """Where this engine accepts peers' connections, as "host:port" ("0.0.0.0:P" or
+        "[::]:P": every interface of this machine), for operators to see and firewall.
+        () when it opens no listener of its own, or cannot tell. Optional."""
+        return ()
+
     def close(self) -> None:
         """Release registrations and connections. Optional."""

@@ -36,15 +36,29 @@ The peer checks the remote range of a write or read against its registered memor
 that range fast); the local range is checked only by transports that need it registered
 (rdma, not tcp: over tcp a read lands at any local address given).
 
+Listeners: the engine binds its handshake port and its TCP data port to every interface
+(0.0.0.0 / [::]) whatever `hostname` is, and no setting of it changes that. So right after
+initialize, the listeners it opened get a socket filter that admits only connections
+addressed to `hostname` (common/transfer/listen_guard.py): as if bound there. A filter the
+kernel refuses is logged as an error and the listener stays open to every interface;
+`listen_addresses` says which (docs/security-data-plane.md has the firewall rules).
+
 Thread-safety: Mooncake's Python binding releases the GIL and guards its own state with a
 mutex, and every range is its own engine batch, so `write` and `read` need no lock here.
 """
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections import deque
 
+from common.transfer import listen_guard
 from common.transfer.base import Region, TransferEngine, TransferError
+
+log = logging.getLogger("pdmesh.transfer")
+# One engine starts at a time in this process, so that the listeners opened meanwhile are its own.
+_START_LOCK = threading.Lock()
 
 
 def _import_engine():
@@ -72,12 +86,49 @@ class MooncakeTransfer(TransferEngine):
         engine_cls = _import_engine()
         self._read_opcode = engine_cls.TransferOpcode.Read
         self._engine = engine_cls()
-        ret = self._engine.initialize(hostname, metadata_server, protocol, device_name)
-        if ret != 0:
-            raise TransferError(f"mooncake initialize({hostname!r}, {metadata_server!r}, "
-                                f"{protocol!r}, {device_name!r}) returned {ret}")
+        with _START_LOCK:
+            before = self._snapshot()
+            ret = self._engine.initialize(hostname, metadata_server, protocol, device_name)
+            if ret != 0:
+                raise TransferError(f"mooncake initialize({hostname!r}, {metadata_server!r}, "
+                                    f"{protocol!r}, {device_name!r}) returned {ret}")
+            self._listeners = self._guard(before, hostname)
         self._endpoint = f"{hostname}:{self._engine.get_rpc_port()}"
         self._regions: list[Region] = []
+
+    @staticmethod
+    def _snapshot() -> dict[int, listen_guard.Listener] | None:
+        try:
+            return listen_guard.own_listeners()
+        except OSError as e:
+            log.error("mooncake: cannot list this process's sockets (%s): its listeners stay open to "
+                      "every interface of this machine", e)
+            return None
+
+    def _guard(self, before, hostname: str) -> list[listen_guard.Listener]:
+        """The listeners initialize opened, filtered to `hostname` where the kernel allows."""
+        if before is None:
+            return []
+        try:
+            opened = listen_guard.opened_since(before)
+        except OSError as e:
+            log.error("mooncake: cannot list this process's sockets (%s)", e)
+            return []
+        try:
+            guarded = listen_guard.restrict(opened, hostname)
+        except (OSError, ValueError) as e:
+            log.error("mooncake: listeners %s stay open to every interface of this machine; could not "
+                      "filter them to %s (%s): firewall them (docs/security-data-plane.md)",
+                      [a for l in opened for a in l.addresses], hostname, e)
+            return opened
+        log.info("mooncake: listening at %s", ", ".join(a for l in guarded for a in l.addresses))
+        return guarded
+
+    @property
+    def listen_addresses(self) -> tuple[str, ...]:
+        """The handshake and TCP data listeners, "host:port" each (a wildcard host: open to
+        every interface; the filter failed)."""
+        return tuple(a for listener in self._listeners for a in listener.addresses)
 
     @property
     def endpoint(self) -> str:

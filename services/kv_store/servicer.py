@@ -1,8 +1,10 @@
 """KVStore servicer: protobuf at the edge, services/kv_store/store.py inside.
 
 Status codes: INVALID_ARGUMENT (bad space, hashes or token ids: the message names the
-field), RESOURCE_EXHAUSTED (kv_store.max_spaces key spaces exist), NOT_FOUND (CommitPut
-of an unknown or expired put_id).
+field), PERMISSION_DENIED (a new key space for a model no live node serves with that
+layout), UNAVAILABLE (the mesh's members cannot be listed to tell), RESOURCE_EXHAUSTED
+(kv_store.max_spaces key spaces exist), NOT_FOUND (CommitPut of an unknown or expired
+put_id).
 """
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import grpc
 
 from common.transfer.layout import KVLayout
 from protos.pdmesh.v1 import kv_store_pb2, kv_store_pb2_grpc
-from services.kv_store.store import KVStore, Space, SpacesExhausted
+from services.kv_store.store import KVStore, Space, SpaceRefused, SpacesExhausted
+from services.node.members_view import MembersUnavailable
 
 
 class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
@@ -23,6 +26,16 @@ class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
             return space.model_id, KVLayout.from_proto(space.layout)
         except (ValueError, TypeError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"space.layout: {e}")
+
+    async def _admit(self, model_id: str, layout: KVLayout, context) -> None:
+        """Before a call that may make a key space."""
+        try:
+            await self.store.admit_space(model_id, layout)
+        except SpaceRefused as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+        except MembersUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot tell whether a live node serves "
+                                f"space.model_id: {e}")
 
     def _region(self, space: Space) -> kv_store_pb2.StoreRegion:
         return kv_store_pb2.StoreRegion(transfer_backend=self.store.transfer.name,
@@ -39,6 +52,7 @@ class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
 
     async def ReservePut(self, request, context):
         model_id, layout = await self._space_args(request.space, context)
+        await self._admit(model_id, layout, context)
         try:
             put_id, indices, slots, space = self.store.reserve_put(
                 model_id, layout, list(request.block_hashes), list(request.token_ids))
@@ -60,6 +74,8 @@ class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
 
     async def PinGet(self, request, context):
         model_id, layout = await self._space_args(request.space, context)
+        if self.store.redis is not None:   # a Redis hit makes the space
+            await self._admit(model_id, layout, context)
         try:
             pin_id, slots, promoted, space = await self.store.pin_get(
                 model_id, layout, list(request.block_hashes), list(request.token_ids))

@@ -7,10 +7,17 @@
           slots still hold those blocks (else the read was a miss)
     expire() drops stale reservations and pins; the server calls it periodically.
 
+Key spaces: one per (model id, layout_key), each with its own pool of kv_store.capacity_mb
+(a space fills and evicts only its own slots), at most kv_store.max_spaces of them. A new
+one is made only for a model that a live member of the mesh serves with that layout
+(`admit_space`, awaited by the servicer before a call that would make one; the members
+come from the meta-server, services/node/members_view.py): so a caller cannot fill
+max_spaces with bogus models and lock the real one out. A space stays once made.
+
 Evicted blocks are copied out of their slots at once and spilled to Redis in the
 background (their slots are reused by the same call). Errors: ValueError for bad
 arguments (naming the field), KeyError for unknown put/pin ids, SpacesExhausted when a
-new key space would pass max_spaces.
+new key space would pass max_spaces, SpaceRefused when no live member serves it.
 
 Not thread-safe: the store's event loop owns it.
 """
@@ -30,6 +37,7 @@ from common.transfer.layout import KVLayout
 from services.kv_store.redis_tier import RedisTier, decode_block, encode_block
 from services.kv_store.slot_index import Entry, SlotIndex
 from services.kv_store.slot_memory import SlotMemory
+from services.node.members_view import MembersView
 
 log = logging.getLogger("pdmesh.kv_store")
 
@@ -38,6 +46,10 @@ MAX_BLOCKS_PER_CALL = 8192
 
 class SpacesExhausted(RuntimeError):
     """A new key space would pass kv_store.max_spaces."""
+
+
+class SpaceRefused(RuntimeError):
+    """No live member of the mesh serves this model with this layout."""
 
 
 @dataclass
@@ -50,15 +62,37 @@ class Space:
 
 class KVStore:
     def __init__(self, cfg: KVStoreConfig, transfer: TransferEngine, redis: RedisTier | None = None,
-                 clock: Callable[[], float] = time.monotonic, timeouts: TimeoutConfig = TimeoutConfig()):
+                 clock: Callable[[], float] = time.monotonic, timeouts: TimeoutConfig = TimeoutConfig(),
+                 members: MembersView | None = None):
+        """members: who may have key spaces (see admit_space); None admits every model, for
+        tests that drive the store itself (services/kv_store/server.py always gives one).
+        close() closes it."""
         self.cfg, self.transfer, self.redis, self.clock = cfg, transfer, redis, clock
         self.timeouts = timeouts
+        self.members = members
         self.spaces: dict[tuple[str, str], Space] = {}
         self._by_id_prefix: dict[str, Space] = {}
         self._spills: set[asyncio.Task] = set()
         self.num_hits = self.num_misses = self.bytes_in = self.bytes_out = 0
 
     # ---- key spaces ----------------------------------------------------------------
+    def has_space(self, model_id: str, layout: KVLayout) -> bool:
+        return (model_id, layout_key(layout)) in self.spaces
+
+    async def admit_space(self, model_id: str, layout: KVLayout) -> None:
+        """Returns when the space exists or may be made: a live member serves model_id
+        with this layout_key. SpaceRefused otherwise; MembersUnavailable when the members
+        cannot be listed."""
+        if self.members is None or self.has_space(model_id, layout):
+            return
+        key = layout_key(layout)
+        member = await self.members.find(lambda m: m.model_id == model_id and m.HasField("kv_layout")
+                                         and layout_key(m.kv_layout) == key)
+        if member is None:
+            shown = model_id if len(model_id) <= 128 else model_id[:128] + "..."
+            raise SpaceRefused(f"space.model_id {shown!r} with layout {key}: no live node of this mesh "
+                               "serves it, and key spaces are made only for models that live nodes serve")
+
     def _space(self, model_id: str, layout: KVLayout, create: bool) -> Space | None:
         if not model_id:
             raise ValueError("space.model_id must not be empty")
@@ -244,3 +278,5 @@ class KVStore:
         await self.flush()
         if self.redis is not None:
             await self.redis.close()
+        if self.members is not None:
+            await self.members.close()

@@ -2,6 +2,8 @@
 
 Lifecycle of a Prefill RPC on this node (the request's states: common/engine/lifecycle.py):
   validate (prompt, sampling, destination layout and block count)
+  -> the destination is what a live decode node registered (services/prefill/
+     destination_check.py), else PERMISSION_DENIED / INVALID_ARGUMENT (nothing written)
   -> max_queue requests waiting already? RESOURCE_EXHAUSTED at once (nothing written)
   -> admitted: blocks allocated, own prefix-cache hits first, then (with a kv-store) the
      store's further hits read into them (services/prefill/store_prefix.py)
@@ -37,6 +39,8 @@ from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from common.engine.validation import validate_resume_position
 from services.convert import sampling_from_proto
 from services.decode.remote_prefill import SETTLED_KEY
+from services.node.members_view import MembersView
+from services.prefill.destination_check import DestinationCheck, DestinationRefused
 from services.prefill.kv_push import KVPusher
 from services.prefill.store_prefix import StorePrefix
 
@@ -46,9 +50,13 @@ MAX_REMEMBERED = 4096   # unsettled requests and cancelled ids remembered (oldes
 
 
 class PrefillServicer(engine_pb2_grpc.PrefillServicer):
-    def __init__(self, node):
-        """node: an EngineNode (engine, sender, executor, layout, kv_store, node, mesh)."""
+    def __init__(self, node, members: MembersView | None = None):
+        """node: an EngineNode (engine, sender, executor, layout, kv_store, node, mesh).
+        members: the mesh's live members that destinations are checked against (default:
+        the meta-servers' list, MembersView.for_mesh(node.mesh)); closed by drain()."""
         self.node = node
+        self.members = members if members is not None else MembersView.for_mesh(node.mesh)
+        self.destinations = DestinationCheck(self.members)
         self.inflight: dict[str, tuple[KVPusher, StorePrefix | None]] = {}
         # ended with writes possibly in flight, until its pusher is settled
         self.unsettled: OrderedDict[str, KVPusher] = OrderedDict()
@@ -56,7 +64,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         self._releases: set[asyncio.Task] = set()
         self.closing = False
 
-    def _check(self, request) -> tuple[list[int], object, KVLayout]:
+    def _check(self, request) -> tuple[list[int], object]:
         """ValueError naming the field when the request cannot be served."""
         engine = self.node.engine
         prompt, dest = list(request.prompt_token_ids), request.destination
@@ -72,15 +80,20 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         if not 0 <= dest.num_cached_tokens < len(prompt):
             raise ValueError(f"destination.num_cached_tokens must be in [0, {len(prompt)}), "
                              f"got {dest.num_cached_tokens}")
-        return prompt, params, dst_layout
+        return prompt, params
 
     async def Prefill(self, request, context):
         rid, dest = request.request_id, request.destination
         engine = self.node.engine
         try:
-            prompt, params, dst_layout = self._check(request)
+            prompt, params = self._check(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=SETTLED)
+        try:
+            checked = await self.destinations.check(dest)
+        except DestinationRefused as e:
+            log.warning("refused the destination of %s: %s", rid, e)
+            await context.abort(e.code, str(e), trailing_metadata=SETTLED)
         if self.closing:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill node {self.node.node.node_id} is shutting down",
                                 trailing_metadata=SETTLED)
@@ -94,8 +107,8 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         timeouts = self.node.mesh.timeouts
         remaining = context.time_remaining()
         deadline = time.monotonic() + (timeouts.prefill_s if remaining is None else remaining)
-        pusher = KVPusher(self.node.sender, self.node.executor, dest.transfer_endpoint, dst_layout,
-                          list(dest.block_ids), dest.num_cached_tokens, engine.block_size, len(prompt),
+        pusher = KVPusher(self.node.sender, self.node.executor, checked.transfer_endpoint, checked.layout,
+                          list(checked.block_ids), checked.num_cached_tokens, engine.block_size, len(prompt),
                           deadline, timeouts.transfer_s)
         store = None
         if self.node.kv_store is not None:
@@ -219,6 +232,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         settled = all(p.settled for p in pushers)
         if not settled:
             log.warning("%s: stopping with KV writes still in flight", self.node.node.node_id)
+        await self.members.close()
         return settled
 
     async def GetEngineStats(self, request, context):

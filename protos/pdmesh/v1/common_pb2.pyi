@@ -77,7 +77,7 @@ class KVLayout(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., base_address: _Optional[int] = ..., strides: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "role", "address", "model_id", "transfer_backend", "transfer_endpoint", "kv_layout", "load", "max_model_len")
+    __slots__ = ("node_id", "role", "address", "model_id", "transfer_backend", "transfer_endpoint", "kv_layout", "load", "max_model_len", "transfer_listen_addresses")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class NodeInfo(_message.Message):
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_LISTEN_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     address: str
@@ -96,7 +97,8 @@ class NodeInfo(_message.Message):
     kv_layout: KVLayout
     load: NodeLoad
     max_model_len: int
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., transfer_backend: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., kv_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    transfer_listen_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., transfer_backend: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., kv_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., transfer_listen_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefillTiming(_message.Message):
     __slots__ = ("queue_ms", "compute_ms", "transfer_ms", "remote")
