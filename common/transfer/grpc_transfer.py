@@ -95,6 +95,11 @@ class GrpcTransfer(TransferEngine):
     def endpoint(self) -> str:
         return self._endpoint
 
+    @property
+    def listen_addresses(self) -> tuple[str, ...]:
+        """The receiver's server binds exactly the configured host."""
+        return (self._endpoint,)
+
     def register(self, address: int, length: int) -> Region:
         region = Region.checked(address, length)
         with self._lock:

@@ -21,6 +21,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "services.cli.admin",
     "services.cli.kv_store",
     "services.cli.certs",
+    "services.cli.secrets",
 )
 
 

@@ -1,7 +1,8 @@
 """`pdmesh admin ACTION --meta HOST:PORT [--json]`: see and steer a running mesh through
 the meta-server's pdmesh.v1.MetaAdmin API.
 
-    nodes            every node: role, state (up|draining|down), load, blocks, model
+    nodes            every node: role, state (up|draining|down), load, blocks, model, and
+                     where its transfer engine listens (0.0.0.0 / [::]: every interface)
     drain NODE       no new requests to NODE; its in-flight ones finish
     undrain NODE     route to NODE again
     remove NODE      forget NODE (a live node comes back by registering again; drain it
@@ -52,6 +53,7 @@ def node_dict(s) -> dict:
             "state": s.state, "running": load.running, "waiting": load.waiting,
             "free_blocks": load.free_blocks, "total_blocks": load.total_blocks,
             "model": s.info.model_id, "num_routed": s.num_routed,
+            "transfer_listen": list(s.info.transfer_listen_addresses),
             "seconds_since_heartbeat": round(s.seconds_since_heartbeat, 3)}
 
 
@@ -70,9 +72,10 @@ def table(headers: list[str], rows: list[list]) -> str:
 def nodes_table(nodes: list[dict]) -> str:
     rows = [[n["node_id"], n["role"], n["state"], n["address"], n["running"], n["waiting"],
              f'{n["free_blocks"]}/{n["total_blocks"]}', n["num_routed"],
-             f'{n["seconds_since_heartbeat"]:.1f}s', n["model"]] for n in nodes]
+             f'{n["seconds_since_heartbeat"]:.1f}s', n["model"], ",".join(n["transfer_listen"]) or "-"]
+            for n in nodes]
     return table(["NODE", "ROLE", "STATE", "ADDRESS", "RUNNING", "WAITING", "FREE/TOTAL",
-                  "ROUTED", "LAST SEEN", "MODEL"], rows)
+                  "ROUTED", "LAST SEEN", "MODEL", "TRANSFER LISTENS ON"], rows)
 
 
 def stats_text(s: dict) -> str:

@@ -42,6 +42,8 @@ def node_info_error(node) -> str:
             return f"node.{name} must be at most {MAX_FIELD_CHARS} characters"
     if node.transfer_backend and node.transfer_backend not in TRANSFER_BACKENDS:
         return f"node.transfer_backend must be one of {', '.join(TRANSFER_BACKENDS)}"
+    if len(node.transfer_listen_addresses) > 8 or any(len(a) > MAX_FIELD_CHARS for a in node.transfer_listen_addresses):
+        return f"node.transfer_listen_addresses: at most 8 of at most {MAX_FIELD_CHARS} characters each"
     return ""
 
 

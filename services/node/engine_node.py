@@ -83,7 +83,8 @@ class EngineNode:
             node_id=self.node.node_id, role=self.node.role, address=self.address,
             model_id=self.engine.model_id, transfer_backend=self.transfer.name,
             transfer_endpoint=self.transfer.endpoint, kv_layout=self.layout.to_proto(),
-            load=self.load(stats), max_model_len=self.engine.max_model_len)
+            load=self.load(stats), max_model_len=self.engine.max_model_len,
+            transfer_listen_addresses=list(self.transfer.listen_addresses))
 
     def load(self, stats: dict[str, int]) -> common_pb2.NodeLoad:
         return common_pb2.NodeLoad(running=stats["running"] + stats["kv_remote"],

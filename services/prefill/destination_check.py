@@ -17,7 +17,8 @@ member with that node_id published in its NodeInfo, as the meta-server lists it
 the rest of the request, services/prefill/servicer.py.) What a check cannot tell: which
 of the decode node's blocks belong to the caller's request. A mesh member that forges a
 registered node's destination can still write into that node's other blocks; only mesh
-members can call Prefill at all (services/security).
+members can call Prefill at all (services/security), and with TLS a caller may name only
+itself (its certificate's `service:NAME`, checked by the servicer).
 """
 from __future__ import annotations
 

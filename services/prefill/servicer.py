@@ -41,6 +41,7 @@ from services.convert import sampling_from_proto
 from services.decode.remote_prefill import SETTLED_KEY
 from services.node.members_view import MembersView
 from services.prefill.destination_check import DestinationCheck, DestinationRefused
+from services.security.server_auth import peer_service_name
 from services.prefill.kv_push import KVPusher
 from services.prefill.store_prefix import StorePrefix
 
@@ -85,6 +86,10 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
     async def Prefill(self, request, context):
         rid, dest = request.request_id, request.destination
         engine = self.node.engine
+        caller = peer_service_name(context)
+        if caller is not None and caller != dest.node_id:   # mTLS: a node names only itself
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "destination.node_id must be the calling node's own", trailing_metadata=SETTLED)
         try:
             prompt, params = self._check(request)
         except ValueError as e:

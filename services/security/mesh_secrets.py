@@ -32,11 +32,13 @@ def new_secret() -> str:
 
 def make_missing_secrets(mesh, folder: Path, environ=None) -> dict[str, str]:
     """For each secret neither the config nor the environment gives, a fresh one in
-    folder; returns the environment variables that name the files (for the children)."""
+    folder; returns the environment variables that name the files (for the children).
+    With TLS the certificates are the mesh's identity: no cluster secret is made."""
     environ = os.environ if environ is None else environ
     sec = mesh.security
     wanted = []
-    if not (sec.cluster_secret_file or environ.get("PDMESH_CLUSTER_SECRET_FILE")
+    tls = sec.tls_dir or environ.get("PDMESH_TLS_DIR")
+    if not (tls or sec.cluster_secret_file or environ.get("PDMESH_CLUSTER_SECRET_FILE")
             or environ.get("PDMESH_CLUSTER_SECRET")):
         wanted.append(("PDMESH_CLUSTER_SECRET_FILE", "cluster_secret"))
     if not (sec.admin_token_file or environ.get("PDMESH_ADMIN_TOKEN_FILE") or environ.get("PDMESH_ADMIN_TOKEN")):

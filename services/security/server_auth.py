@@ -154,6 +154,19 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return refusal
 
 
+SHARED_SERVICE_NAME = "service"   # the one certificate a whole mesh may share (`pdmesh certs init` without names)
+
+
+def peer_service_name(context) -> str | None:
+    """NAME of the caller's `service:NAME` certificate; None when the call came without
+    one (cluster-secret mode) or with the shared one (it names no single service)."""
+    for cn in context.auth_context().get("x509_common_name") or []:
+        if cn.startswith(SERVICE_CN_PREFIX):
+            name = cn[len(SERVICE_CN_PREFIX):].decode("utf-8", "replace")
+            return None if name == SHARED_SERVICE_NAME else name
+    return None
+
+
 def _handler_like(handler, behavior, deserializer):
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(behavior, deserializer, handler.response_serializer)

@@ -142,3 +142,23 @@ def test_every_served_service_is_restarted_when_it_fails(services, parsed):
     for name, args in parsed.items():
         want = "on-failure" if args.command == "serve" else "no"
         assert services[name].get("restart") == want, name
+
+
+def test_every_served_service_reads_the_mesh_secrets_from_compose_secrets(services, parsed):
+    """The cluster secret and admin token reach each pdmesh service as compose secrets
+    named by PDMESH_*_FILE (never on a command line); only the gateway holds the API keys."""
+    top = yaml.safe_load(COMPOSE.read_text())["secrets"]
+    assert sorted(top) == ["admin_token", "api_keys", "cluster_secret"]
+    assert {s["file"] for s in top.values()} == {f"./deploy/secrets/{n}" for n in top}
+    for name, args in parsed.items():
+        if args.command != "serve":
+            continue
+        svc = services[name]
+        env = svc["environment"]
+        assert env["PDMESH_CLUSTER_SECRET_FILE"] == "/run/secrets/cluster_secret", name
+        assert env["PDMESH_ADMIN_TOKEN_FILE"] == "/run/secrets/admin_token", name
+        assert {"cluster_secret", "admin_token"} <= set(svc["secrets"]), name
+        assert ("api_keys" in svc["secrets"]) == (args.role == "gateway"), name
+        assert ("PDMESH_API_KEYS_FILE" in env) == (args.role == "gateway"), name
+        assert not any("secret" in part.lower() or "token" in part.lower() for part in svc["command"]), name
+    assert "/deploy/secrets/" in (ROOT / ".gitignore").read_text().splitlines()

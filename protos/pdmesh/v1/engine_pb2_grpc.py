@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class DecodeStub:
-    """Decode nodes (and `both` nodes) serve Generate; prefill nodes serve Prefill.
+    """Decode nodes (and `both` nodes) serve Generate; prefill nodes serve Prefill. Callers
+    must be mesh members (services/security): UNAUTHENTICATED / PERMISSION_DENIED otherwise.
     """
 
     def __init__(self, channel):
@@ -48,7 +49,8 @@ class DecodeStub:
 
 
 class DecodeServicer:
-    """Decode nodes (and `both` nodes) serve Generate; prefill nodes serve Prefill.
+    """Decode nodes (and `both` nodes) serve Generate; prefill nodes serve Prefill. Callers
+    must be mesh members (services/security): UNAUTHENTICATED / PERMISSION_DENIED otherwise.
     """
 
     def Generate(self, request, context):
@@ -89,7 +91,8 @@ def add_DecodeServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Decode:
-    """Decode nodes (and `both` nodes) serve Generate; prefill nodes serve Prefill.
+    """Decode nodes (and `both` nodes) serve Generate; prefill nodes serve Prefill. Callers
+    must be mesh members (services/security): UNAUTHENTICATED / PERMISSION_DENIED otherwise.
     """
 
     @staticmethod
@@ -181,7 +184,9 @@ class PrefillServicer:
         the first token. Replies only after every write is acknowledged. Past max_queue
         waiting requests: RESOURCE_EXHAUSTED at once, before any write. No write starts past
         the call's deadline. Any status the prefill node itself answers is sent after every
-        write of the request has ended.
+        write of the request has ended. The destination must be what a live decode member
+        registered (endpoint and layout; else PERMISSION_DENIED naming the field) with block
+        ids inside its cache (else INVALID_ARGUMENT).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -37,7 +37,10 @@ class KVStoreStub:
     reservation not committed within its lease is dropped; a pin holds a block against
     eviction until Release or the end of its lease.
     Errors: INVALID_ARGUMENT (field and allowed values), RESOURCE_EXHAUSTED (no more key
-    spaces), NOT_FOUND (unknown or expired put_id / pin_id).
+    spaces), NOT_FOUND (unknown or expired put_id / pin_id), PERMISSION_DENIED (a new key
+    space whose model and layout no live member serves), UNAVAILABLE (the members cannot
+    be listed now). Callers must be mesh members (services/security): UNAUTHENTICATED /
+    PERMISSION_DENIED otherwise.
     """
 
     def __init__(self, channel):
@@ -90,7 +93,10 @@ class KVStoreServicer:
     reservation not committed within its lease is dropped; a pin holds a block against
     eviction until Release or the end of its lease.
     Errors: INVALID_ARGUMENT (field and allowed values), RESOURCE_EXHAUSTED (no more key
-    spaces), NOT_FOUND (unknown or expired put_id / pin_id).
+    spaces), NOT_FOUND (unknown or expired put_id / pin_id), PERMISSION_DENIED (a new key
+    space whose model and layout no live member serves), UNAVAILABLE (the members cannot
+    be listed now). Callers must be mesh members (services/security): UNAUTHENTICATED /
+    PERMISSION_DENIED otherwise.
     """
 
     def Lookup(self, request, context):
@@ -182,7 +188,10 @@ class KVStore:
     reservation not committed within its lease is dropped; a pin holds a block against
     eviction until Release or the end of its lease.
     Errors: INVALID_ARGUMENT (field and allowed values), RESOURCE_EXHAUSTED (no more key
-    spaces), NOT_FOUND (unknown or expired put_id / pin_id).
+    spaces), NOT_FOUND (unknown or expired put_id / pin_id), PERMISSION_DENIED (a new key
+    space whose model and layout no live member serves), UNAVAILABLE (the members cannot
+    be listed now). Callers must be mesh members (services/security): UNAUTHENTICATED /
+    PERMISSION_DENIED otherwise.
     """
 
     @staticmethod
