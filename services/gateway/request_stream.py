@@ -15,7 +15,9 @@ Lifecycle (one RequestStream per client call; `replies()` yields GenerateRespons
       seeded request draws what it would have), and what remains of the deadline; at
       most gateway.max_migrations. The client's stream has no seam: detokenizer and stop
       strings live here and carry on; usage counts the original prompt and every token.
-  anything else -> GatewayAbort with the status (UNAVAILABLE for unknown ones)
+  anything else -> PublicError with the status (UNAVAILABLE for unknown ones) and a plain
+    message with an error id; what the node or meta-server said goes to the log under
+    that id (services/gateway/public_errors.py)
 Deadline: timeouts.request_s, or the client's own if sooner; every hop gets what remains.
 """
 from __future__ import annotations
@@ -33,7 +35,9 @@ from common.engine.stop_strings import StopStringMatcher
 from common.model.detokenizer import IncrementalDetokenizer
 from protos.pdmesh.v1 import common_pb2, engine_pb2, gateway_pb2, meta_pb2
 from services.gateway.decode_client import DecodeClient
-from services.gateway.meta_client import MetaClient
+from services.gateway import public_errors
+from services.gateway.meta_client import NO_NODE_PREFIX, MetaClient
+from services.gateway.public_errors import PublicError
 
 log = logging.getLogger("pdmesh.gateway")
 PASS_THROUGH = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -42,14 +46,6 @@ MAX_REFUSALS = 3
 REFUSED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 BROKEN = (grpc.StatusCode.UNAVAILABLE,)
 HEALTH_PROBE_S = 0.5   # a stopped node never answers; a working one does within milliseconds
-
-
-class GatewayAbort(Exception):
-    """End the client's call with this status."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self.code, self.details = code, details
 
 
 class NodeStopped(Exception):
@@ -70,7 +66,7 @@ class RequestStream:
         self.excluded: list[str] = []
         self.refusals = 0
         self.migrations = 0
-        self.last_refusal: tuple[grpc.StatusCode, str] | None = None
+        self.last_refusal: tuple[grpc.StatusCode, str] | None = None   # code, internal details
 
     async def replies(self) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         while True:
@@ -85,8 +81,8 @@ class RequestStream:
                     yield reply
                     if done:
                         return
-                raise GatewayAbort(grpc.StatusCode.UNAVAILABLE,
-                                   f"decode node {node.node_id} ended the stream without a finish")
+                raise self._error(grpc.StatusCode.UNAVAILABLE, public_errors.NODE_FAILED,
+                                  f"decode node {node.node_id} ended the stream without a finish")
             except grpc.aio.AioRpcError as e:
                 self._after_failure(node.node_id, sent_here, e.code(), e.details())
             except NodeStopped as e:
@@ -103,11 +99,15 @@ class RequestStream:
                 block_hashes=await self.block_hashes(prompt), exclude_node_ids=self.excluded),
                 timeout=min(self.timeouts.route_s, _remaining(self.deadline)), deadline=self.deadline)
         except grpc.aio.AioRpcError as e:
+            said = f"Route: {e.code().name} {e.details()}"
             if time.monotonic() >= self.deadline:
-                raise GatewayAbort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+                raise self._error(grpc.StatusCode.DEADLINE_EXCEEDED, public_errors.DEADLINE_PASSED, said)
             if self.last_refusal is not None:   # no other decode node: what the last one said
-                raise GatewayAbort(*self.last_refusal)
-            raise GatewayAbort(grpc.StatusCode.UNAVAILABLE, f"no route for the request: {e.details()}")
+                code, internal = self.last_refusal
+                raise self._error(code, _refused(code), f"{internal}; then {said}")
+            no_node = e.code() == grpc.StatusCode.UNAVAILABLE and (e.details() or "").startswith(NO_NODE_PREFIX)
+            raise self._error(grpc.StatusCode.UNAVAILABLE,
+                              public_errors.NO_DECODE_NODE if no_node else public_errors.NO_ROUTE, said)
 
     def _downstream(self, route: meta_pb2.RouteResponse) -> engine_pb2.DecodeRequest:
         sampling = common_pb2.SamplingParams()
@@ -197,14 +197,14 @@ class RequestStream:
         return reply, True
 
     def _after_failure(self, node_id: str, sent_here: int, code: grpc.StatusCode, details: str) -> None:
-        """The attempt on node_id failed: return to try the next one, or raise GatewayAbort."""
-        public = f"decode node {node_id}: {details}"
+        """The attempt on node_id failed: return to try the next one, or raise PublicError."""
+        internal = f"decode node {node_id}: {code.name} {details}"
         in_time = time.monotonic() < self.deadline
         if sent_here == 0 and code in REFUSED and self.refusals + 1 < MAX_REFUSALS and in_time:
             self.refusals += 1
             log.warning("decode node %s answered %s for client id %r (%s); routing again",
                         node_id, code.name, self.request.request_id, details)
-            self.last_refusal = (code, public)
+            self.last_refusal = (code, internal)
             self.excluded.append(node_id)
             return
         if sent_here > 0 and code in BROKEN and self.migrations < self.max_migrations and in_time:
@@ -214,7 +214,22 @@ class RequestStream:
                         code.name, details, self.migrations, self.max_migrations)
             self.excluded.append(node_id)
             return
-        raise GatewayAbort(code if code in PASS_THROUGH else grpc.StatusCode.UNAVAILABLE, public)
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            # the engine's own validation (common/engine/validation.py), which the gateway
+            # ran first: a node configured apart from the gateway (e.g. max_model_len)
+            raise self._error(code, f"the decode node refused the request: {(details or '')[:200]}", internal)
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise self._error(code, public_errors.DEADLINE_PASSED, internal)
+        public = _refused(code) if code in REFUSED and not self.tokens else public_errors.NODE_FAILED
+        raise self._error(code if code in PASS_THROUGH else grpc.StatusCode.UNAVAILABLE, public, internal)
+
+    def _error(self, code: grpc.StatusCode, public: str, internal: str) -> PublicError:
+        return public_errors.mesh_error(code, public, internal, self.request.request_id)
+
+
+def _refused(code: grpc.StatusCode) -> str:
+    """What the client is told when the decode nodes refused the request before any token."""
+    return public_errors.MESH_FULL if code == grpc.StatusCode.RESOURCE_EXHAUSTED else public_errors.NO_DECODE_NODE
 
 
 def _remaining(deadline: float) -> float:

@@ -6,9 +6,10 @@ import logging
 from common.config import MeshConfig
 from common.model.config import load_model_config
 from common.model.tokenizer import Tokenizer
-from protos.pdmesh.v1 import gateway_pb2, gateway_pb2_grpc
+from protos.pdmesh.v1 import gateway_pb2
 from services.node import grpc_util
 from services.gateway.servicer import GatewayServicer
+from services.gateway.wire import add_gateway_to_server
 
 log = logging.getLogger("pdmesh.gateway")
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
@@ -34,7 +35,7 @@ async def create_server(mesh: MeshConfig, port: int | None = None, credentials=N
         log.warning("gateway: no API keys configured (gateway.api_keys_file): the public API is open "
                     "to anyone who reaches its port")
     server = grpc_util.new_server(credentials, public=True)
-    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
+    add_gateway_to_server(servicer, server)   # parses requests itself: bad bytes -> INVALID_ARGUMENT
     health = grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
     bound = grpc_util.bind(server, mesh.gateway.host, mesh.gateway.port if port is None else port)
     await server.start()

@@ -1,10 +1,18 @@
 """Gateway servicer: the public pdmesh.v1.Gateway API.
 
-Generate: validate + tokenize (INVALID_ARGUMENT naming the field), then one
-RequestStream (services/gateway/request_stream.py: routing, the decode stream,
+Generate, in order, each step refusing with INVALID_ARGUMENT naming the field:
+  parse (services/gateway/wire.py: invalid UTF-8 names the field) -> bounds
+  (limits.*, before any work: services/gateway/request_limits.py) -> model -> sampling
+  -> tokenize a text prompt in the tokenizer pool (off the event loop) -> the prompt
+  against the vocabulary and max_model_len
+then one RequestStream (services/gateway/request_stream.py: routing, the decode stream,
 detokenization and stop strings, rerouting and migration to another decode node when the
 one serving the request dies). Client cancel: the decode call is cancelled, which aborts
-the request downstream.
+the request downstream. Tokenize: parse -> bounds -> model -> the tokenizer pool.
+
+Every error a client gets is fit for a public client (services/gateway/public_errors.py):
+the mesh's failures and the gateway's own bugs come as a plain sentence and an error id,
+what happened inside goes to the log under that id.
 """
 from __future__ import annotations
 
@@ -13,30 +21,40 @@ import time
 
 import grpc
 
-from common.config import TimeoutConfig
+from common.config import LimitsConfig, TimeoutConfig
+from common.engine.sampling_params import SamplingParams
+from common.engine.validation import validate_length, validate_request, validate_sampling
 from common.hashing import hash_block_chain, layout_key
 from common.model.tokenizer import Tokenizer
 from protos.pdmesh.v1 import gateway_pb2, gateway_pb2_grpc, meta_pb2
-from services.gateway.decode_client import DecodeClient
-from services.gateway.request_stream import GatewayAbort, RequestStream
-from services.gateway.meta_client import MetaClient
-from common.engine.validation import validate_request
 from services.convert import sampling_from_proto
+from services.gateway import public_errors
+from services.gateway.decode_client import DecodeClient
+from services.gateway.meta_client import MetaClient
+from services.gateway.public_errors import PublicError
+from services.gateway.request_limits import check_generate, check_tokenize
+from services.gateway.request_stream import RequestStream
+from services.gateway.tokenizer_pool import TokenizerPool
+from services.gateway.wire import BadRequest
 
 log = logging.getLogger("pdmesh.gateway")
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    """Register with services.gateway.wire.add_gateway_to_server (invalid UTF-8 is then
+    INVALID_ARGUMENT); close() when the server stopped."""
+
     def __init__(self, tokenizer: Tokenizer, model_id: str, vocab_size: int, max_model_len: int,
                  meta_addresses: list[str] | str, timeouts: TimeoutConfig = TimeoutConfig(),
-                 max_migrations: int = 3):
+                 max_migrations: int = 3, limits: LimitsConfig = LimitsConfig()):
         self.tokenizer, self.model_id = tokenizer, model_id
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         if isinstance(meta_addresses, str):
             meta_addresses = [meta_addresses]
-        self.timeouts, self.max_migrations = timeouts, max_migrations
+        self.timeouts, self.max_migrations, self.limits = timeouts, max_migrations, limits
         self.meta = MetaClient(meta_addresses, timeouts.meta_follow_s)
         self.decode = DecodeClient()
+        self.tokenizer_pool = TokenizerPool(tokenizer, limits.tokenizer_threads)
         self._hash_args: tuple[int, str, str] | None = None   # block_size, model_id, layout
 
     async def _block_hashes(self, ids: list[int]) -> list[bytes]:
@@ -59,22 +77,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def _check_model(self, model: str) -> None:
         if model and model != self.model_id:
-            raise ValueError(f"model {model!r} is not served here; available: [{self.model_id!r}]")
+            raise ValueError(f"model {public_errors.echo(model)} is not served here; "
+                             f"available: [{self.model_id!r}]")
 
-    def _prompt_ids(self, request) -> list[int]:
+    async def _validated(self, request: gateway_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
+        """The prompt's ids and the sampling parameters; ValueError naming the field."""
+        check_generate(request, self.limits)
+        self._check_model(request.model)
+        params = sampling_from_proto(request.sampling)
+        validate_sampling(params, self.vocab_size)
         which = request.WhichOneof("input")
         if which == "prompt":
             if not request.prompt:
                 raise ValueError("prompt must not be empty")
-            return self.tokenizer.encode(request.prompt)
-        if which == "prompt_token_ids":
-            return list(request.prompt_token_ids.ids)
-        raise ValueError("one of prompt or prompt_token_ids is required")
-
-    def _validate(self, request) -> tuple[list[int], object]:
-        self._check_model(request.model)
-        ids = self._prompt_ids(request)
-        params = sampling_from_proto(request.sampling)
+            ids = await self.tokenizer_pool.encode(request.prompt)
+        elif which == "prompt_token_ids":
+            validate_length(len(request.prompt_token_ids.ids), params, self.max_model_len)
+            ids = list(request.prompt_token_ids.ids)
+        else:
+            raise ValueError("one of prompt or prompt_token_ids is required")
         validate_request(ids, params, self.vocab_size, self.max_model_len)
         return ids, params
 
@@ -87,10 +108,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return time.monotonic() + remaining
 
     async def Generate(self, request, context):
+        if isinstance(request, BadRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
-            ids, params = self._validate(request)
+            ids, params = await self._validated(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception:
+            await _abort(context, public_errors.internal_error("Generate", request.request_id))
         stream = RequestStream(meta=self.meta, decode=self.decode, timeouts=self.timeouts,
                                max_migrations=self.max_migrations, model_id=self.model_id,
                                tokenizer=self.tokenizer, prompt_ids=ids, params=params, request=request,
@@ -98,16 +123,29 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             async for reply in stream.replies():
                 yield reply
-        except GatewayAbort as e:
-            await context.abort(e.code, e.details)
+            return
+        except PublicError as e:
+            error = e
+        except grpc.aio.AioRpcError as e:   # a mesh call the stream does not handle itself
+            error = public_errors.mesh_error(grpc.StatusCode.UNAVAILABLE, public_errors.NODE_FAILED,
+                                             f"{e.code().name} {e.details()}", request.request_id)
+        except Exception:
+            error = public_errors.internal_error("Generate", request.request_id)
+        await _abort(context, error)
 
     async def Tokenize(self, request, context):
+        if isinstance(request, BadRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
+            check_tokenize(request, self.limits)
             self._check_model(request.model)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return gateway_pb2.TokenizeResponse(
-            token_ids=self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens))
+        try:
+            ids = await self.tokenizer_pool.encode(request.text, request.add_special_tokens)
+        except Exception:
+            await _abort(context, public_errors.internal_error("Tokenize"))
+        return gateway_pb2.TokenizeResponse(token_ids=ids)
 
     async def ListModels(self, request, context):
         return gateway_pb2.ListModelsResponse(models=[gateway_pb2.ModelInfo(
@@ -116,4 +154,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def close(self) -> None:
         await self.meta.close()
         await self.decode.close()
+        self.tokenizer_pool.close()
 
+
+async def _abort(context, error: PublicError) -> None:
+    await context.abort(error.code, error.details)

@@ -1,0 +1,423 @@
+"""The gateway's bounds on one public request and its public errors, exactly: a real
+GatewayServicer and meta-server in one process over real gRPC, fake decode nodes (real
+gRPC servers) that stream a token every TOKEN_S or fail as told.
+
+- Each limit (limits.*) refused with INVALID_ARGUMENT and the exact message naming the
+  field and the limit; non-finite temperature/top_p and invalid UTF-8 (named field) too.
+- No message to a client carries an address, a node id, a Python class name or gRPC core
+  text; the mesh's failures come with an error id that the log has with the details.
+- Tokenization runs off the event loop: while a 10 MB prompt is refused and a large
+  allowed one is tokenized, concurrent streams keep getting tokens.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from common.config import LimitsConfig, MetaConfig
+from common.engine.sampling_params import SamplingParams
+from common.engine.validation import validate_request
+from common.model.tokenizer import Tokenizer
+from protos.pdmesh.v1 import (common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc, meta_pb2,
+                              meta_pb2_grpc)
+from services.gateway.servicer import GatewayServicer
+from services.gateway.tokenizer_pool import TokenizerPool
+from services.gateway.wire import BadRequest, add_gateway_to_server, tolerant_deserializer
+from services.gateway.wire_limits import check_generate_wire
+from services.meta_server.server import create_server
+from services.node import grpc_util
+
+pytestmark = pytest.mark.timeout(120)
+TOKEN_S = 0.01
+MAX_MODEL_LEN = 4096
+SMALL = LimitsConfig(max_prompt_bytes=1000, max_prompt_token_ids=100, max_stop_strings=4,
+                     max_stop_string_bytes=16, max_stop_token_ids=8, max_request_id_bytes=32)
+INTERNAL_TEXT = re.compile(r"ipv4:|ipv6:|127\.0\.0\.1|decode-\d|<class|Traceback|Error\b|Exception|"
+                           r"StatusCode|debug_error_string|failed to connect|RpcError")
+ERROR_ID = re.compile(r"\(error id ([0-9a-f]{8})\)$")
+
+
+class FakeDecode(engine_pb2_grpc.DecodeServicer):
+    """Streams max_tokens tokens, one per TOKEN_S (the last with finish_reason "length");
+    with `fail` = (code, details) it ends every call so at once instead."""
+
+    def __init__(self, fail: tuple[grpc.StatusCode, str] | None = None):
+        self.fail = fail
+
+    async def Generate(self, request, context):
+        if self.fail is not None:
+            await context.abort(*self.fail)
+        n = request.sampling.max_tokens
+        for i in range(n):
+            await asyncio.sleep(TOKEN_S)
+            msg = engine_pb2.DecodeResponse(token_ids=[10 + i % 500])
+            if i == n - 1:
+                msg.finish_reason = "length"
+                msg.usage.prompt_tokens, msg.usage.completion_tokens = len(request.prompt_token_ids), n
+            yield msg
+
+
+class Mesh:
+    """A meta-server, one FakeDecode node "decode-0" (None: no node) and the gateway;
+    register: how the gateway's handlers are registered (wire: add_gateway_to_server, the
+    sizes read off the wire first; generated: gateway_pb2_grpc's, on the parsed message)."""
+
+    def __init__(self, model_dir: Path, limits: LimitsConfig = LimitsConfig(),
+                 decode: FakeDecode | None = None, max_model_len: int = MAX_MODEL_LEN, register: str = "wire"):
+        self.model_dir, self.limits, self.decode_servicer = model_dir, limits, decode
+        self.max_model_len, self.register = max_model_len, register
+
+    async def __aenter__(self) -> "Mesh":
+        self.meta, meta_port = await create_server(MetaConfig(port=0, ttl_seconds=60.0))
+        self.decode_server = None
+        if self.decode_servicer is not None:
+            self.decode_server = grpc.aio.server()
+            engine_pb2_grpc.add_DecodeServicer_to_server(self.decode_servicer, self.decode_server)
+            port = self.decode_server.add_insecure_port("127.0.0.1:0")
+            await self.decode_server.start()
+            async with grpc_util.channel(f"127.0.0.1:{meta_port}") as ch:
+                await meta_pb2_grpc.MetaServerStub(ch).Register(meta_pb2.RegisterRequest(
+                    node=common_pb2.NodeInfo(node_id="decode-0", role="decode", address=f"127.0.0.1:{port}",
+                                             model_id="tiny"), ttl_seconds=60.0))
+        self.gateway = GatewayServicer(Tokenizer.from_dir(self.model_dir), "tiny", 1024, self.max_model_len,
+                                       f"127.0.0.1:{meta_port}", limits=self.limits)
+        self.server = grpc.aio.server(options=grpc_util.CHANNEL_OPTIONS)
+        if self.register == "wire":
+            add_gateway_to_server(self.gateway, self.server)
+        else:
+            gateway_pb2_grpc.add_GatewayServicer_to_server(self.gateway, self.server)
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        await self.server.start()
+        self.channel = grpc.aio.insecure_channel(self.address, options=grpc_util.CHANNEL_OPTIONS)
+        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.channel.close()
+        await self.server.stop(None)
+        await self.gateway.close()
+        if self.decode_server is not None:
+            await self.decode_server.stop(None)
+        await self.meta.stop(None)
+        await self.meta.close_extras()
+
+    async def generate(self, req: gateway_pb2.GenerateRequest, timeout: float = 30) -> list:
+        return [m async for m in self.stub.Generate(req, timeout=timeout)]
+
+    async def raw(self, method: str, data: bytes) -> grpc.aio.AioRpcError:
+        """Call Gateway/method with these exact request bytes; the error it fails with."""
+        path = f"/pdmesh.v1.Gateway/{method}"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            if method == "Generate":
+                async for _ in self.channel.unary_stream(path, request_serializer=bytes)(data, timeout=10):
+                    pass
+            else:
+                await self.channel.unary_unary(path, request_serializer=bytes)(data, timeout=10)
+        return err.value
+
+
+def request(ids=None, prompt=None, max_tokens=4, request_id="", **sampling) -> gateway_pb2.GenerateRequest:
+    req = gateway_pb2.GenerateRequest(request_id=request_id,
+                                      sampling=common_pb2.SamplingParams(max_tokens=max_tokens, **sampling))
+    if prompt is not None:
+        req.prompt = prompt
+    else:
+        req.prompt_token_ids.ids.extend([5, 6, 7] if ids is None else ids)
+    return req
+
+
+def assert_public(details: str) -> None:
+    """Fit for a public client: no address, node id, Python class or gRPC core text."""
+    assert details and not INTERNAL_TEXT.search(details), details
+
+
+async def refused(mesh: Mesh, req) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await mesh.generate(req)
+    return err.value
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("llama")
+
+
+# ---- each limit ------------------------------------------------------------------------
+OVER_LIMITS = [
+    (request(prompt="x" * 1001), "prompt is 1001 bytes; the limit is limits.max_prompt_bytes = 1000"),
+    (request(prompt="é" * 501), "prompt is 1002 bytes; the limit is limits.max_prompt_bytes = 1000"),
+    (request(ids=[5] * 101), "prompt_token_ids has 101 ids; the limit is limits.max_prompt_token_ids = 100"),
+    (request(stop=["a", "b", "c", "d", "e"]), {   # the wire stops counting at the first one over
+        "wire": "sampling.stop has more than 4 strings; the limit is limits.max_stop_strings = 4",
+        "generated": "sampling.stop has 5 strings; the limit is limits.max_stop_strings = 4"}),
+    (request(stop=["a", "b" * 17]), "sampling.stop[1] is 17 bytes; the limit is limits.max_stop_string_bytes = 16"),
+    (request(stop_token_ids=list(range(9))),
+     "sampling.stop_token_ids has 9 ids; the limit is limits.max_stop_token_ids = 8"),
+    (request(request_id="r" * 33), "request_id is 33 bytes; the limit is limits.max_request_id_bytes = 32"),
+    (request(temperature=math.inf), "temperature must be a finite number, got inf"),
+    (request(temperature=1e39), "temperature must be a finite number, got inf"),   # float32 on the wire
+    (request(temperature=math.nan), "temperature must be a finite number, got nan"),
+    (request(top_p=math.nan), "top_p must be a finite number, got nan"),
+    (request(top_p=math.inf), "top_p must be a finite number, got inf"),
+    (request(top_p=-math.inf), "top_p must be a finite number, got -inf"),
+]
+
+
+@pytest.mark.parametrize("register", ["wire", "generated"])
+def test_each_limit_is_invalid_argument_naming_the_field_and_the_limit(model, register):
+    async def scenario():
+        async with Mesh(model, SMALL, FakeDecode(), register=register) as mesh:
+            got = [(await refused(mesh, req)) for req, _ in OVER_LIMITS]
+            at_limits = request(prompt="x" * 1000, request_id="r" * 32, stop=["a" * 16] * 4,
+                                stop_token_ids=list(range(8)))
+            ok = await mesh.generate(at_limits)   # exactly at every limit: served
+            ok_ids = await mesh.generate(request(ids=[5] * 100))
+            return got, ok, ok_ids
+
+    got, ok, ok_ids = asyncio.run(scenario())
+    for err, (_, message) in zip(got, OVER_LIMITS):
+        message = message[register] if isinstance(message, dict) else message
+        assert (err.code(), err.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+        assert_public(err.details())
+    assert [t for m in ok for t in m.token_ids] == [10, 11, 12, 13] and ok[-1].finish_reason == "length"
+    assert ok_ids[-1].usage.prompt_tokens == 100
+
+
+@pytest.mark.parametrize("register", ["wire", "generated"])
+def test_a_10_mb_prompt_and_tokenize_text_are_refused_by_the_default_limits(model, register):
+    async def scenario():
+        async with Mesh(model, LimitsConfig(), FakeDecode(), register=register) as mesh:
+            start = time.monotonic()
+            gen = await refused(mesh, request(prompt="x" * (10 << 20)))
+            gen_s = time.monotonic() - start
+            with pytest.raises(grpc.aio.AioRpcError) as tok:
+                await mesh.stub.Tokenize(gateway_pb2.TokenizeRequest(text="y" * (10 << 20)), timeout=30)
+            small = await mesh.stub.Tokenize(gateway_pb2.TokenizeRequest(text="hello world"))
+            return gen, gen_s, tok.value, list(small.token_ids)
+
+    gen, gen_s, tok, small = asyncio.run(scenario())
+    assert gen.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert gen.details() == "prompt is 10485760 bytes; the limit is limits.max_prompt_bytes = 1048576"
+    assert gen_s < 1.0   # never tokenized (the old gateway took 14-27 s)
+    assert tok.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert tok.details() == "text is 10485760 bytes; the limit is limits.max_prompt_bytes = 1048576"
+    assert small == Tokenizer.from_dir(model).encode("hello world", add_special_tokens=False)
+
+
+def test_a_long_model_name_is_not_echoed_whole(model):
+    async def scenario():
+        async with Mesh(model, LimitsConfig(), FakeDecode()) as mesh:
+            req = request()
+            req.model = "m" * 100_000
+            return await refused(mesh, req)
+
+    err = asyncio.run(scenario())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details() == f"model {'m' * 64!r}... (100000 bytes) is not served here; available: ['tiny']"
+
+
+# ---- invalid UTF-8 -----------------------------------------------------------------------
+def _with_bad_byte(msg, marker: bytes) -> bytes:
+    """msg serialized, with the one occurrence of `marker` changed to invalid UTF-8."""
+    data = msg.SerializeToString()
+    assert data.count(marker) == 1
+    return data.replace(marker, b"\xff" + marker[1:])
+
+
+@pytest.mark.parametrize("method,msg,marker,field", [
+    ("Generate", request(prompt="MARK here"), b"MARK", "prompt"),
+    ("Generate", request(stop=["fine", "MARK"]), b"MARK", "sampling.stop[1]"),
+    ("Generate", request(request_id="MARK-1"), b"MARK", "request_id"),
+    ("Generate", gateway_pb2.GenerateRequest(model="MARK", prompt="hi"), b"MARK", "model"),
+    ("Tokenize", gateway_pb2.TokenizeRequest(text="some MARK text"), b"MARK", "text"),
+])
+def test_invalid_utf8_is_invalid_argument_naming_the_field(model, method, msg, marker, field):
+    async def scenario():
+        async with Mesh(model, LimitsConfig(), FakeDecode()) as mesh:
+            err = await mesh.raw(method, _with_bad_byte(msg, marker))
+            garbage = await mesh.raw(method, b"\x0a\xff\xff\xff\xff\x0f")   # a length past the end
+            ok = await mesh.generate(request())   # the gateway goes on
+            return err, garbage, ok
+
+    err, garbage, ok = asyncio.run(scenario())
+    assert (err.code(), err.details()) == (grpc.StatusCode.INVALID_ARGUMENT, f"{field} is not valid UTF-8")
+    assert garbage.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert garbage.details() == f"the request is not a valid pdmesh.v1.{type(msg).__name__} message"
+    assert ok[-1].finish_reason == "length"
+
+
+def test_the_wire_refuses_an_oversized_prompt_before_parsing_it():
+    parse = tolerant_deserializer(gateway_pb2.GenerateRequest, lambda data: check_generate_wire(data, SMALL))
+    over = request(prompt="x" * 1001).SerializeToString()
+    message = "prompt is 1001 bytes; the limit is limits.max_prompt_bytes = 1000"
+    assert isinstance(parse(over), BadRequest) and parse(over).message == message
+    assert parse(over.replace(b"x", b"\xff", 1)).message == message   # never parsed: its size first
+    assert parse(request(prompt="x" * 1000).SerializeToString()).prompt == "x" * 1000
+    assert parse(over[:500]).message == "the request is not a valid pdmesh.v1.GenerateRequest message"
+
+
+def _unpacked_ids(field_number: int, ids: list[int]) -> bytes:
+    """ids as repeated varint fields (proto2's encoding; proto3 encoders pack them)."""
+    return b"".join(bytes([field_number << 3, i]) for i in ids)
+
+
+def test_huge_repeated_fields_are_refused_before_parsing():
+    """Parsing 10M ids holds the event loop ~0.4 s; read off the wire they are counted in C."""
+    def check(req: bytes) -> str | None:
+        return check_generate_wire(memoryview(req), LimitsConfig())
+
+    ids = request(ids=[1000] * 10_000_000).SerializeToString()   # 20 MB
+    start = time.monotonic()
+    assert check(ids) == "prompt_token_ids has 10000000 ids; the limit is limits.max_prompt_token_ids = 1048576"
+    assert time.monotonic() - start < 0.3
+    stop_ids = request(stop_token_ids=[7] * 1_000_000).SerializeToString()
+    assert check(stop_ids) == ("sampling.stop_token_ids has 1000000 ids; "
+                               "the limit is limits.max_stop_token_ids = 256")
+    unpacked = gateway_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(max_tokens=4)).SerializeToString()
+    sampling = common_pb2.SamplingParams(max_tokens=4).SerializeToString() + _unpacked_ids(7, [1] * 300)
+    assert check(b"\x22" + _varint(len(sampling)) + sampling) == (
+        "sampling.stop_token_ids has more than 256 ids; the limit is limits.max_stop_token_ids = 256")
+    token_ids = _unpacked_ids(1, [5] * 600_000)                   # over 1 MiB, unpacked
+    assert check(b"\x1a" + _varint(len(token_ids)) + token_ids) == "prompt_token_ids has more than 64 fields"
+    assert check(unpacked + b"\x2a\x01m" * 100) == "the request has more than 64 fields"
+    stops = request(stop=["s"] * 10_000).SerializeToString()
+    assert check(stops) == "sampling.stop has more than 16 strings; the limit is limits.max_stop_strings = 16"
+    assert check(request(ids=[1000] * 100_000, stop=["s"] * 16, stop_token_ids=[3] * 256).SerializeToString()) is None
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes([*out, value])
+
+
+# ---- the mesh's errors: plain words and an error id --------------------------------------
+@pytest.mark.parametrize("fail,code,message", [
+    (None, grpc.StatusCode.UNAVAILABLE, "no decode node is available now; retry later"),
+    ((grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last error: UNKNOWN: "
+      "ipv4:127.0.0.1:51060: Failed to connect to remote host: Connection refused"),
+     grpc.StatusCode.UNAVAILABLE, "no decode node is available now; retry later"),
+    ((grpc.StatusCode.RESOURCE_EXHAUSTED, "decode node decode-0 has 64 requests waiting; retry later"),
+     grpc.StatusCode.RESOURCE_EXHAUSTED, "every decode node is busy now; retry later"),
+    ((grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"),
+     grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"),
+    ((grpc.StatusCode.INTERNAL, "Unexpected <class 'KeyError'>: 'ipv4:127.0.0.1:9'"),
+     grpc.StatusCode.UNAVAILABLE, "the decode node serving the request failed; retry later"),
+])
+def test_mesh_errors_are_plain_words_with_an_error_id_the_log_has(model, caplog, fail, code, message):
+    async def scenario():
+        decode = None if fail is None else FakeDecode(fail)
+        async with Mesh(model, LimitsConfig(), decode) as mesh:
+            return await refused(mesh, request(request_id="client-7"))
+
+    with caplog.at_level(logging.WARNING, logger="pdmesh.gateway"):
+        err = asyncio.run(scenario())
+    assert err.code() == code
+    found = ERROR_ID.search(err.details())
+    assert found and err.details() == f"{message} (error id {found.group(1)})"
+    assert_public(err.details())
+    logged = [r.getMessage() for r in caplog.records if found.group(1) in r.getMessage()]
+    assert len(logged) == 1 and "'client-7'" in logged[0]
+    if fail is not None:
+        assert fail[1] in logged[0] and "decode-0" in logged[0]   # the details, for the operator
+
+
+def test_an_unexpected_exception_is_internal_with_the_traceback_only_in_the_log(model, caplog):
+    async def scenario():
+        async with Mesh(model, LimitsConfig(), FakeDecode()) as mesh:
+            async def broken(ids):
+                raise KeyError("ipv4:127.0.0.1:1 <class 'x'>")
+            mesh.gateway._block_hashes = broken
+            return await refused(mesh, request())
+
+    with caplog.at_level(logging.WARNING, logger="pdmesh.gateway"):
+        err = asyncio.run(scenario())
+    assert err.code() == grpc.StatusCode.INTERNAL
+    found = ERROR_ID.search(err.details())
+    assert found and err.details() == f"internal error (error id {found.group(1)})"
+    records = [r for r in caplog.records if found.group(1) in r.getMessage()]
+    assert len(records) == 1 and records[0].exc_info is not None
+    assert records[0].exc_info[0] is KeyError
+
+
+# ---- tokenization off the event loop ------------------------------------------------------
+def test_streams_keep_their_tokens_while_huge_prompts_are_refused_and_tokenized(model):
+    """4 streams run while (a) a 10 MB prompt is refused by limits.max_prompt_bytes and (b)
+    a 3 MB prompt within a raised limit is tokenized (then refused by max_model_len), and
+    a small text prompt is served meanwhile. On the event loop (the old gateway) the
+    tokenization stalls every stream for seconds; bounds generous for a loaded CI host."""
+    limits = LimitsConfig(max_prompt_bytes=6 << 20, tokenizer_threads=2)
+    big = ("the quick brown fox jumps over the lazy dog; " * 80_000)[: 3 << 20]
+
+    async def scenario():
+        async with Mesh(model, limits, FakeDecode(), max_model_len=100_000) as mesh:
+            arrivals: list[list[float]] = [[] for _ in range(4)]
+
+            async def stream(i):
+                call = mesh.stub.Generate(request(max_tokens=50_000), timeout=120)
+                async for _ in call:
+                    arrivals[i].append(time.monotonic())
+
+            streams = [asyncio.ensure_future(stream(i)) for i in range(4)]
+            while not all(arrivals):
+                await asyncio.sleep(0.01)
+            window_start = time.monotonic()
+            huge = await refused(mesh, request(prompt="x" * (10 << 20)))
+            refusal_s = time.monotonic() - window_start
+
+            async def small():
+                start = time.monotonic()
+                msgs = await mesh.generate(request(prompt="hello world", max_tokens=3))
+                return time.monotonic() - start, msgs
+
+            tokenized = asyncio.ensure_future(refused(mesh, request(prompt=big)))
+            await asyncio.sleep(0.2)            # the big one is in the tokenizer now
+            small_s, small_msgs = await small()
+            allowed = await tokenized
+            window_end = time.monotonic()
+            for s in streams:
+                s.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+            gaps = [max(b - a for a, b in zip(points, points[1:]))
+                    for points in ([window_start, *[t for t in ts if window_start < t < window_end], window_end]
+                                   for ts in arrivals)]
+            return huge, refusal_s, allowed, small_s, small_msgs, gaps, window_end - window_start
+
+    huge, refusal_s, allowed, small_s, small_msgs, gaps, window_s = asyncio.run(scenario())
+    assert huge.code() == grpc.StatusCode.INVALID_ARGUMENT and "limits.max_prompt_bytes" in huge.details()
+    assert allowed.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len (100000)" in allowed.details()
+    assert refusal_s < 1.0
+    assert small_msgs[-1].finish_reason == "length" and small_s < 1.5
+    assert max(gaps) < 1.5, f"longest token gap {max(gaps):.2f} s over a {window_s:.1f} s window"
+
+
+def test_the_pool_tokenizes_exactly_as_the_tokenizer(model):
+    tok = Tokenizer.from_dir(model)
+    texts = ["hello world", "  leading spaces and\ttabs\n", "héllo wörld 中文 🙂 ünïcödé", "x" * 5000, "a"]
+
+    async def scenario():
+        pool = TokenizerPool(tok, 2)
+        try:
+            return [await pool.encode(t, special) for t in texts for special in (True, False)]
+        finally:
+            pool.close()
+
+    assert asyncio.run(scenario()) == [tok.encode(t, add_special_tokens=s) for t in texts for s in (True, False)]
+
+
+@pytest.mark.parametrize("params,message", [
+    (SamplingParams(temperature=math.inf), "temperature must be a finite number, got inf"),
+    (SamplingParams(top_p=math.nan), "top_p must be a finite number, got nan"),
+])
+def test_engine_validation_refuses_non_finite_sampling_too(params, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate_request([5, 6], params, 1024, 512)
