@@ -124,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     from services.security.credentials import MissingCredentialsError
     args.meta = args.meta or mesh_address("meta") or "127.0.0.1:50051"
     try:
-        token, tls = admin_token(args.token_file), client_tls(args.tls_dir, "admin")
+        token = admin_token(args.token_file, address=args.meta)
+        tls = client_tls(args.tls_dir, "admin", address=args.meta)
     except MissingCredentialsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

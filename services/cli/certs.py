@@ -61,4 +61,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
     print(f"mesh CA: {written[CA_CERT_FILE]} (key {written[CA_KEY_FILE]}); "
           f"set security.tls_dir or PDMESH_TLS_DIR to {Path(args.dir).resolve()}")
+    print(f"keep {written[CA_KEY_FILE]} off the mesh's machines (it mints any service's identity); "
+          "give each service ca.crt and its own NAME.crt / NAME.key only")
     return 0

@@ -80,7 +80,9 @@ async def _stream_all(args: argparse.Namespace) -> int:
     from services.security.client_creds import api_key, client_tls
     prompts = args.prompts or DEMO_PROMPTS
     num_tokens, start = 0, time.perf_counter()
-    async with client_channel(args.gateway, bearer=api_key(args.api_key_file), tls=client_tls(args.tls_dir)) as channel:
+    key = api_key(args.api_key_file, address=args.gateway)
+    tls = client_tls(args.tls_dir, address=args.gateway)
+    async with client_channel(args.gateway, bearer=key, tls=tls) as channel:
         for prompt in prompts:
             print(f"--- {prompt!r}\n{prompt}", end="", flush=True)
             result = await stream_generate(channel, prompt, **sampling_kwargs(args),

@@ -153,7 +153,7 @@ class MeshProcesses:
     def client_tls(self, cert_name: str | None = "admin"):
         """With TLS: the CA and cert_name's certificate (None: the CA only), else None."""
         from services.security.client_creds import client_tls
-        return client_tls(self.mesh.security.tls_dir, cert_name, environ=self.environ)
+        return client_tls(self.mesh.security.tls_dir, cert_name, environ=self.environ, address=self.meta_address)
 
     def api_key(self) -> str | None:
         """A client API key of the gateway (None when it has none)."""
@@ -170,7 +170,7 @@ class MeshProcesses:
         """A blocking channel to the meta-server as the operator (admin token)."""
         from services.security.client_auth import client_channel
         from services.security.client_creds import admin_token
-        token = admin_token(self.mesh.security.admin_token_file, environ=self.environ)
+        token = admin_token(self.mesh.security.admin_token_file, environ=self.environ, address=self.meta_address)
         return client_channel(self.meta_address, bearer=token, tls=self.client_tls(), sync=True)
 
     def _wait_healthy(self, svc: Service, timeout_s: float) -> None:

@@ -29,8 +29,9 @@ async def create_server(mesh: MeshConfig, port: int | None = None, credentials=N
                                list(mesh.gateway.meta_addresses) or [mesh.meta.address],
                                mesh.timeouts, mesh.gateway.max_migrations, limits=mesh.limits)
     if credentials is None:
-        from services.security.credentials import load_credentials
+        from services.security.credentials import install_default, load_credentials
         credentials = load_credentials(mesh.security, "gateway", mesh.gateway.api_keys_file)
+        install_default(credentials)
     if not credentials.api_keys:
         log.warning("gateway: no API keys configured (gateway.api_keys_file): the public API is open "
                     "to anyone who reaches its port")

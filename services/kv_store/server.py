@@ -42,8 +42,9 @@ async def create_server(mesh: MeshConfig, port: int | None = None, credentials=N
     if cfg.redis_url:
         redis = RedisTier(cfg.redis_url, key_prefix=f"pdmesh:{mesh.cluster}:kv", ttl_s=cfg.redis_ttl_s)
     if credentials is None:
-        from services.security.credentials import load_credentials
+        from services.security.credentials import install_default, load_credentials
         credentials = load_credentials(mesh.security, "kv-store")
+        install_default(credentials)
     # key spaces only for models that live members serve (their list from the meta-server)
     store = KVStore(cfg, transfer, redis, timeouts=mesh.timeouts, members=MembersView.for_mesh(mesh, credentials))
     server = grpc_util.new_server(credentials)

@@ -5,15 +5,15 @@ to MetaControl calls and maps errors to status codes. Only mesh members reach it
 and a node_id held by another live process is PERMISSION_DENIED."""
 from __future__ import annotations
 
-import re
-
 import grpc
 
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
 from services.meta_server.control import MetaControl
+from services.meta_server.node_info_check import MAX_FIELD_CHARS, node_info_error
 from services.meta_server.registry import RegistrationConflictError, RegistrationRefusedError
 from services.meta_server.router import NoNodeError, RouteRequest
 from services.meta_server.store_hits import StoreHits
+from services.security.server_auth import peer_service_name
 
 
 def route_request(request: meta_pb2.RouteRequest, store_hit_blocks: int = 0) -> RouteRequest:
@@ -21,30 +21,6 @@ def route_request(request: meta_pb2.RouteRequest, store_hit_blocks: int = 0) -> 
                         block_hashes=tuple(request.block_hashes),
                         exclude_node_ids=frozenset(request.exclude_node_ids),
                         store_hit_blocks=store_hit_blocks)
-
-
-NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-MAX_FIELD_CHARS = 256     # address, model_id, transfer endpoint, instance_id
-TRANSFER_BACKENDS = ("mooncake", "grpc", "fake")
-
-
-def node_info_error(node) -> str:
-    """Why a NodeInfo cannot be registered, "" if it can."""
-    if not NODE_ID.fullmatch(node.node_id):
-        return ("node.node_id must be 1-128 characters of letters, digits and . _ : - "
-                "(starting with a letter or digit)")
-    if node.role not in ("prefill", "decode", "both"):
-        return "node.role must be one of prefill, decode, both"
-    if not node.address:
-        return "node.address is required"
-    for name in ("address", "model_id", "transfer_endpoint"):
-        if len(getattr(node, name)) > MAX_FIELD_CHARS:
-            return f"node.{name} must be at most {MAX_FIELD_CHARS} characters"
-    if node.transfer_backend and node.transfer_backend not in TRANSFER_BACKENDS:
-        return f"node.transfer_backend must be one of {', '.join(TRANSFER_BACKENDS)}"
-    if len(node.transfer_listen_addresses) > 8 or any(len(a) > MAX_FIELD_CHARS for a in node.transfer_listen_addresses):
-        return f"node.transfer_listen_addresses: at most 8 of at most {MAX_FIELD_CHARS} characters each"
-    return ""
 
 
 async def _membership_call(context, method, *args):
@@ -59,10 +35,15 @@ async def _membership_call(context, method, *args):
         await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
 
 
-async def _check_instance(context, instance_id: str) -> None:
+async def _check_caller(context, node_id: str, instance_id: str) -> None:
+    """With TLS, a node may register, report and leave only as itself (its certificate's
+    service:NAME is the node_id)."""
     if len(instance_id) > MAX_FIELD_CHARS:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                             f"instance_id must be at most {MAX_FIELD_CHARS} characters")
+    caller = peer_service_name(context)
+    if caller is not None and caller != node_id:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, "a node may register only under its own name")
 
 
 class MetaServicer(meta_pb2_grpc.MetaServerServicer):
@@ -74,19 +55,19 @@ class MetaServicer(meta_pb2_grpc.MetaServerServicer):
         error = node_info_error(request.node)
         if error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-        await _check_instance(context, request.instance_id)
+        await _check_caller(context, request.node.node_id, request.instance_id)
         ttl = await _membership_call(context, self.control.register, request.node, request.instance_id)
         return meta_pb2.RegisterResponse(ttl_seconds=ttl)
 
     async def Heartbeat(self, request, context):
-        await _check_instance(context, request.instance_id)
+        await _check_caller(context, request.node_id, request.instance_id)
         if not await _membership_call(context, self.control.heartbeat, request.node_id, request.load,
                                       request.instance_id):
             await context.abort(grpc.StatusCode.NOT_FOUND, "this node is not registered; register again")
         return meta_pb2.HeartbeatResponse()
 
     async def Deregister(self, request, context):
-        await _check_instance(context, request.instance_id)
+        await _check_caller(context, request.node_id, request.instance_id)
         await _membership_call(context, self.control.deregister, request.node_id, request.instance_id)
         return meta_pb2.DeregisterResponse()
 

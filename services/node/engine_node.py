@@ -51,7 +51,9 @@ def grpc_transfer_security(credentials=None) -> dict:
     if creds.tls is not None:
         server_credentials = grpc.ssl_server_credentials([(creds.tls.key, creds.tls.cert)],
                                                          root_certificates=creds.tls.ca, require_client_auth=True)
-    return dict(interceptors=(SyncAuthInterceptor(creds, tls_peers=creds.tls is not None),),
+    from services.node.malformed_requests import SyncMalformedRequestInterceptor
+    return dict(interceptors=(SyncAuthInterceptor(creds, tls_peers=creds.tls is not None),
+                              SyncMalformedRequestInterceptor()),
                 server_credentials=server_credentials,
                 channel_factory=lambda peer, options: mesh_channel(peer, creds, options=options, sync=True))
 

@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.security.client_auth import mesh_channel
 from services.security.credentials import MeshCredentials, MissingCredentialsError, process_credentials
+from services.node.malformed_requests import MalformedRequestInterceptor
 from services.security.server_auth import AuthInterceptor
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -42,7 +43,7 @@ def new_server(credentials: MeshCredentials | None = None, public: bool = False)
             "$PDMESH_CLUSTER_SECRET), or security.tls_dir; `pdmesh up` makes them for you")
     mtls = creds.tls is not None and not public
     server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
-                             interceptors=[AuthInterceptor(creds, tls_peers=mtls)],
+                             interceptors=[AuthInterceptor(creds, tls_peers=mtls), MalformedRequestInterceptor()],
                              maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
     server.pdmesh_credentials, server.pdmesh_mtls = creds, mtls
     return server

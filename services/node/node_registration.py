@@ -112,8 +112,10 @@ class RpcRegistration(NodeRegistration):
                     if e.code() != grpc.StatusCode.NOT_FOUND:
                         raise
                     self._registered = False       # the meta-server forgot us: register now
-            await self._stub.Register(meta_pb2.RegisterRequest(node=info, instance_id=self.instance_id),
-                                      timeout=self.ttl_s)
+            reply = await self._stub.Register(meta_pb2.RegisterRequest(node=info, instance_id=self.instance_id),
+                                              timeout=self.ttl_s)
+            if reply.ttl_seconds > 0:
+                self.ttl_s = reply.ttl_seconds      # the registry's TTL paces the heartbeats
             self._registered = True
             log.info("%s registered with the meta-server at %s", info.node_id, self.meta_address)
         except grpc.aio.AioRpcError as e:

@@ -25,8 +25,9 @@ async def create_node_server(mesh: MeshConfig, node_cfg: NodeConfig, port: int |
     from services.prefill.servicer import PrefillServicer
 
     if credentials is None:
-        from services.security.credentials import load_credentials
+        from services.security.credentials import install_default, load_credentials
         credentials = load_credentials(mesh.security, node_cfg.node_id)
+        install_default(credentials)
     server = grpc_util.new_server(credentials)   # before the engine loads: no identity, no start
     node = EngineNode(mesh, node_cfg)
     if node_cfg.role == "prefill":

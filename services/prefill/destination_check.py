@@ -51,13 +51,19 @@ class Destination:
 
 def check_block_ids(dest: engine_pb2.KVDestination) -> None:
     """DestinationRefused(INVALID_ARGUMENT) naming the first block id outside
-    [0, dest.layout.num_blocks)."""
+    [0, dest.layout.num_blocks) or repeating an earlier one."""
     num_blocks = dest.layout.num_blocks
+    seen: set[int] = set()
     for i, block_id in enumerate(dest.block_ids):
         if not 0 <= block_id < num_blocks:
             raise DestinationRefused(grpc.StatusCode.INVALID_ARGUMENT,
                                      f"destination.block_ids[{i}] = {block_id} is outside [0, {num_blocks}) "
                                      "(destination.layout.num_blocks)")
+        if block_id in seen:
+            raise DestinationRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"destination.block_ids[{i}] = {block_id} repeats an earlier id "
+                                     "(each prompt block has its own)")
+        seen.add(block_id)
 
 
 def mismatch(dest: engine_pb2.KVDestination, member: common_pb2.NodeInfo) -> list[str]:

@@ -104,4 +104,5 @@ def gateway_channel(address: str, options: list | None = None):
     """A grpc.aio channel to a gateway with the client credentials found as
     services/security/client_creds.py finds them (flags aside)."""
     from services.security.client_creds import api_key, client_tls
-    return client_channel(address, bearer=api_key(), tls=client_tls(), options=options)
+    return client_channel(address, bearer=api_key(address=address), tls=client_tls(address=address),
+                          options=options)

@@ -7,7 +7,9 @@ without flags on a mesh that `pdmesh up` started.
     mesh_address(which)     "gateway" / "meta" of the running mesh, "" if none
 
 "The running mesh's" is what the last `pdmesh up` recorded (services/security/mesh_secrets.py
-state(): paths, never values). A key file's first key is used.
+state(): paths, never values), and only for a call to one of the addresses it recorded:
+a command aimed elsewhere never sends the local mesh's secrets there. A key file's first
+key is used.
 """
 from __future__ import annotations
 
@@ -17,31 +19,40 @@ from services.security.credentials import TLSFiles, read_api_keys, read_secret, 
 from services.security.mesh_secrets import state
 
 
-def _find(explicit_file: str, value_env: str, file_env: str, state_key: str, environ) -> str | None:
+def _recorded(environ, address: str) -> dict[str, str]:
+    """The running mesh's record when `address` is one of its services' ("" = the caller
+    took its address from the record too), else {}."""
+    record = state(environ)
+    if address and address not in (record.get("gateway"), record.get("meta"), record.get("kv_store")):
+        return {}
+    return record
+
+
+def _find(explicit_file: str, value_env: str, file_env: str, state_key: str, environ, address: str) -> str | None:
     environ = os.environ if environ is None else environ
     if explicit_file:
         return read_api_keys(explicit_file)[0].decode()
     if environ.get(value_env, "").strip():
         return environ[value_env].strip()
-    path = environ.get(file_env) or state(environ).get(state_key, "")
+    path = environ.get(file_env) or _recorded(environ, address).get(state_key, "")
     return read_api_keys(path)[0].decode() if path else None
 
 
-def api_key(key_file: str = "", environ=None) -> str | None:
-    return _find(key_file, "PDMESH_API_KEY", "PDMESH_API_KEY_FILE", "api_keys_file", environ)
+def api_key(key_file: str = "", environ=None, address: str = "") -> str | None:
+    return _find(key_file, "PDMESH_API_KEY", "PDMESH_API_KEY_FILE", "api_keys_file", environ, address)
 
 
-def admin_token(token_file: str = "", environ=None) -> str | None:
+def admin_token(token_file: str = "", environ=None, address: str = "") -> str | None:
     if token_file:
         return read_secret(token_file, "admin token").decode()
-    return _find("", "PDMESH_ADMIN_TOKEN", "PDMESH_ADMIN_TOKEN_FILE", "admin_token_file", environ)
+    return _find("", "PDMESH_ADMIN_TOKEN", "PDMESH_ADMIN_TOKEN_FILE", "admin_token_file", environ, address)
 
 
-def client_tls(tls_dir: str = "", cert_name: str | None = None, environ=None) -> TLSFiles | None:
+def client_tls(tls_dir: str = "", cert_name: str | None = None, environ=None, address: str = "") -> TLSFiles | None:
     """The CA (and cert_name's certificate, e.g. "admin": the meta-server's port asks
     clients for one) when TLS is on."""
     environ = os.environ if environ is None else environ
-    folder = tls_dir or environ.get("PDMESH_TLS_DIR", "") or state(environ).get("tls_dir", "")
+    folder = tls_dir or environ.get("PDMESH_TLS_DIR", "") or _recorded(environ, address).get("tls_dir", "")
     return tls_files(folder, cert_name) if folder else None
 
 

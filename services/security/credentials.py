@@ -18,8 +18,9 @@ line, `#` starts a comment. A service needs the cluster secret or TLS
 """
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import SecurityConfig
@@ -38,7 +39,7 @@ class TLSFiles:
 
     ca: bytes
     cert: bytes | None = None
-    key: bytes | None = None
+    key: bytes | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, repr=False)
@@ -148,6 +149,13 @@ def install(creds: MeshCredentials) -> None:
     """Make creds what this process's internal channels dial with."""
     global _installed
     _installed = creds
+
+
+def install_default(creds: MeshCredentials) -> None:
+    """install(creds) unless this process already has its credentials: a service started
+    in-process (create_server with its config's credentials) dials with what it serves with."""
+    if _installed is None:
+        install(dataclasses.replace(creds, api_keys=()))   # its clients' keys are the gateway's own
 
 
 def process_credentials() -> MeshCredentials:

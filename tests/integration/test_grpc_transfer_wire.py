@@ -95,3 +95,33 @@ def test_grpc_read_chunk_codec_matches_protobuf():
         scatter_read_chunks(wire, [(dst.address, 200)])
     with pytest.raises(ValueError, match="truncated ReadChunk"):
         decode_read_chunk(b"\x0a\x05hi")
+
+
+def test_grpc_receiver_admits_only_the_mesh():
+    """The receiver of a service is wired with the mesh's rules (services/node/engine_node.py
+    grpc_transfer_security): an anonymous Write or Read is UNAUTHENTICATED and changes
+    nothing; a writer holding the cluster secret writes."""
+    import grpc
+
+    from common.transfer.grpc_transfer import CHANNEL_OPTIONS
+    from protos.pdmesh.v1 import transfer_pb2, transfer_pb2_grpc
+    from services.node.engine_node import grpc_transfer_security
+    receiver = create_transfer("grpc", **grpc_transfer_security())
+    writer = create_transfer("grpc", **grpc_transfer_security())
+    dst, src = Buffer(bytes(64)), Buffer(b"k" * 64)
+    receiver.register(dst.address, 64)
+    writer.register(src.address, 64)
+    with grpc.insecure_channel(receiver.endpoint, options=CHANNEL_OPTIONS) as channel:
+        stub = transfer_pb2_grpc.KVTransferStub(channel)
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.Write(iter([transfer_pb2.WriteChunk(remote_address=dst.address, data=b"evil")]))
+        assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as exc:
+            list(stub.Read(transfer_pb2.ReadRequest(ranges=[transfer_pb2.ReadRange(
+                remote_address=dst.address, length=8)])))
+        assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert dst.bytes() == bytes(64)
+    writer.write(receiver.endpoint, [(src.address, dst.address, 64)])
+    assert dst.bytes() == b"k" * 64
+    writer.close()
+    receiver.close()

@@ -238,6 +238,19 @@ def test_with_tls_the_certificates_are_the_identity_and_outsiders_get_nothing(tl
         req = engine_pb2.PrefillRequest(request_id="evil", prompt_token_ids=VICTIM_PROMPT[:32], destination=dest,
                                         sampling=common_pb2.SamplingParams(max_tokens=1))
         assert call_code(engine_pb2_grpc.PrefillStub(ch).Prefill, req) == P
+    # a service registers, reports and leaves only under its own name, and cannot claim a
+    # live node's transfer endpoint under another name
+    with tls_mesh.admin_channel() as ch:
+        real = next(n.info for n in meta_pb2_grpc.MetaAdminStub(ch).ListNodes(
+            meta_pb2.ListNodesRequest(), timeout=5).nodes if n.info.node_id == "decode-0")
+    with client_channel(tls_mesh.meta_address, tls=tls_files(str(certs), "gateway"), sync=True) as ch:
+        meta = meta_pb2_grpc.MetaServerStub(ch)
+        forged = common_pb2.NodeInfo()
+        forged.CopyFrom(real)
+        assert call_code(meta.Register, meta_pb2.RegisterRequest(node=forged, instance_id="x")) == P
+        assert call_code(meta.Deregister, meta_pb2.DeregisterRequest(node_id="decode-0")) == P
+        forged.node_id = "gateway"
+        assert call_code(meta.Register, meta_pb2.RegisterRequest(node=forged, instance_id="x")) == P
     # the public port: TLS without a client certificate, the API key still required
     with client_channel(tls_mesh.gateway_address, tls=ca_only, sync=True) as ch:
         assert call_code(gateway_pb2_grpc.GatewayStub(ch).ListModels, gateway_pb2.ListModelsRequest()) == U

@@ -265,8 +265,9 @@ def test_cli_init_from_config(tmp_path, capsys):
     names = ["meta-server", "meta-server-1", "meta-server-2", "gateway", "kv-store", "p0", "d0"]
     files = [f"{n}.{ext}" for n in [*names, "admin", "ca"] for ext in ("crt", "key")]
     lines = capsys.readouterr().out.splitlines()
-    assert lines[:-1] == [f"wrote {out / f}" for f in files]
-    assert lines[-1].startswith(f"mesh CA: {out / 'ca.crt'}")
+    assert lines[:-2] == [f"wrote {out / f}" for f in files]
+    assert lines[-2].startswith(f"mesh CA: {out / 'ca.crt'}")
+    assert lines[-1].startswith(f"keep {out / 'ca.key'} off the mesh's machines")
     assert cn(load(out / "ca.crt")) == "pdmesh mesh CA prod"
     sans = load(out / "p0.crt").extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert sans.get_values_for_type(x509.DNSName) == ["localhost", "gw.example", "meta.mesh", "kv.mesh"]

@@ -317,3 +317,16 @@ def test_etcd_registry_serves_the_last_view_while_etcd_is_down(etcd_server, run)
         finally:
             await nodes.close()
     run(scenario)
+
+
+def test_a_live_node_s_transfer_endpoint_and_kv_cache_cannot_be_claimed_by_another_node_id():
+    registry = EmbeddedRegistry(default_ttl_s=3.0)
+    real = info("decode-0", "decode")
+    real.transfer_endpoint, real.kv_layout.base_address = "127.0.0.1:16000", 0x7F0000000000
+    registry.register(real, "real")
+    squatter = common_pb2.NodeInfo()
+    squatter.CopyFrom(real)
+    squatter.node_id = "gateway"
+    with pytest.raises(RegistrationConflictError, match="another live node"):
+        registry.register(squatter, "other")
+    assert [m.node_id for m in registry.members()] == ["decode-0"]

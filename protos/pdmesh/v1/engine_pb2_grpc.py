@@ -185,8 +185,9 @@ class PrefillServicer:
         waiting requests: RESOURCE_EXHAUSTED at once, before any write. No write starts past
         the call's deadline. Any status the prefill node itself answers is sent after every
         write of the request has ended. The destination must be what a live decode member
-        registered (endpoint and layout; else PERMISSION_DENIED naming the field) with block
-        ids inside its cache (else INVALID_ARGUMENT).
+        registered (endpoint and layout; else PERMISSION_DENIED naming the field) with
+        distinct block ids inside its cache (else INVALID_ARGUMENT). A request id that a
+        CancelPrefill named first (the cancel overtook the call) is CANCELLED at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -35,6 +35,11 @@ class EmbeddedRegistry(Registry):
             raise RegistrationConflictError(
                 f"node_id {info.node_id!r} is held by another live process; it may register in {left:.1f}s "
                 "if that one stops reporting")
+        for m in self._members.values():
+            if (m.node_id != info.node_id and m.state != DOWN and info.transfer_endpoint
+                    and m.info.transfer_endpoint == info.transfer_endpoint
+                    and m.info.kv_layout.base_address == info.kv_layout.base_address):
+                raise RegistrationConflictError("this transfer endpoint and KV cache belong to another live node")
         self._join(info, self.default_ttl_s, instance_id)
         return self.default_ttl_s
 

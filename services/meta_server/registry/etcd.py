@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 from common.cluster.base import ChangeKind, MemberChange
 from protos.pdmesh.v1 import common_pb2
 from services.meta_server.registry.base import DOWN, Registry
+from services.meta_server.node_info_check import node_info_error
 
 log = logging.getLogger("pdmesh.meta")
 
@@ -54,9 +55,9 @@ class EtcdRegistry(Registry):
             info = common_pb2.NodeInfo.FromString(change.value)
         except DecodeError:
             info = None
-        if info is None or (info.role, info.node_id) != (change.role, change.node_id):
-            log.warning("ignoring etcd key %s/%s: its value is not that node's NodeInfo",
-                        change.role, change.node_id)
+        if info is None or (info.role, info.node_id) != (change.role, change.node_id) or node_info_error(info):
+            log.warning("ignoring etcd key %s/%s: its value is not that node's NodeInfo (%s)",
+                        change.role[:64], change.node_id[:128], node_info_error(info) if info else "does not parse")
             return
         member = self._members.get(info.node_id)
         if member is None or member.state == DOWN:

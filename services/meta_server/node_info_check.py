@@ -1,0 +1,32 @@
+"""What a NodeInfo may hold before the meta-server lists it to the mesh: bounded strings,
+known roles and backends. The same for a node that registers by RPC and for a key read
+from etcd (which pdmesh does not authenticate)."""
+from __future__ import annotations
+
+import re
+
+NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+MAX_FIELD_CHARS = 256     # address, model_id, transfer endpoint, instance_id
+TRANSFER_BACKENDS = ("mooncake", "grpc", "fake")
+
+
+def node_info_error(node) -> str:
+    """Why a NodeInfo cannot be registered, "" if it can."""
+    if not NODE_ID.fullmatch(node.node_id):
+        return ("node.node_id must be 1-128 characters of letters, digits and . _ : - "
+                "(starting with a letter or digit)")
+    if node.role not in ("prefill", "decode", "both"):
+        return "node.role must be one of prefill, decode, both"
+    if not node.address:
+        return "node.address is required"
+    for name in ("address", "model_id", "transfer_endpoint"):
+        if len(getattr(node, name)) > MAX_FIELD_CHARS:
+            return f"node.{name} must be at most {MAX_FIELD_CHARS} characters"
+    if node.transfer_backend and node.transfer_backend not in TRANSFER_BACKENDS:
+        return f"node.transfer_backend must be one of {', '.join(TRANSFER_BACKENDS)}"
+    if len(node.transfer_listen_addresses) > 8 or any(len(a) > MAX_FIELD_CHARS for a in node.transfer_listen_addresses):
+        return f"node.transfer_listen_addresses: at most 8 of at most {MAX_FIELD_CHARS} characters each"
+    layout = node.kv_layout
+    if len(layout.dtype) > 32 or len(layout.strides) > 8:
+        return "node.kv_layout: dtype at most 32 characters, at most 8 strides"
+    return ""
