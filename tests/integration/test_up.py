@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from services.cli.client import stream_generate
+from services.security.client_auth import client_channel
 from tests.channels import operator_channel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,9 +49,9 @@ def write_config(tmp_path: Path, model: Path, *, bind_any: bool = False) -> Path
 class Up:
     """`pdmesh up` in a subprocess; its output lines are collected by a reader thread."""
 
-    def __init__(self, config: Path, log_dir: Path, *extra: str):
+    def __init__(self, config: Path, log_dir: Path, *extra: str, env: dict[str, str] | None = None):
         env = {**os.environ, "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "up", "--config", str(config),
              "--log-dir", str(log_dir), *extra],
@@ -119,20 +120,35 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.mark.timeout(120)
 def test_up_serves_then_stops_cleanly_on_sigterm(tmp_path, model_dir):
+    """As a user runs it: no secret configured anywhere (the session's are withheld), so
+    `pdmesh up` makes them, and `pdmesh generate` / `pdmesh admin` find them by themselves."""
     assert not model_dir.exists()
     model = model_dir
-    up = Up(write_config(tmp_path, model), tmp_path / "logs")
+    user_env = {"PDMESH_CLUSTER_SECRET": "", "PDMESH_ADMIN_TOKEN": "", "PDMESH_STATE_DIR": str(tmp_path / "state")}
+    up = Up(write_config(tmp_path, model), tmp_path / "logs", env=user_env)
     try:
         address = up.wait_for(READY, 90)[1]
         assert any(line.startswith("making the built-in tiny llama model") for line in up.lines)
+        assert any(line.startswith(f"credentials made for this mesh in {tmp_path / 'logs' / 'credentials'}")
+                   for line in up.lines)
         assert (model / "config.json").exists()
+        key = (tmp_path / "logs" / "credentials" / "api_keys").read_text().strip()
 
         async def one():
-            async with operator_channel(address) as channel:
+            async with client_channel(address, bearer=key) as channel:
                 return await stream_generate(channel, "Hello there", max_tokens=8, ignore_eos=True)
         result = asyncio.run(one())
         assert len(result.token_ids) == 8 and result.finish_reason == "length"
         assert result.usage.completion_tokens == 8 and 0 < result.ttft_s <= result.elapsed_s
+        cli_env = {**os.environ, **user_env, "PYTHONPATH": str(ROOT)}
+        cli = [sys.executable, "-m", "services.cli"]
+        out = subprocess.run([*cli, "generate", "--gateway", address, "--max-tokens", "4", "hi"], env=cli_env,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "finish_reason=length" in out.stdout, out.stderr
+        out = subprocess.run([*cli, "admin", "nodes", "--json"], env=cli_env, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0 and '"decode-0"' in out.stdout, out.stderr
+        assert (tmp_path / "state" / "mesh.json").exists()
 
         start = time.monotonic()
         up.proc.send_signal(signal.SIGTERM)
@@ -140,6 +156,7 @@ def test_up_serves_then_stops_cleanly_on_sigterm(tmp_path, model_dir):
         assert time.monotonic() - start < 15
         assert [line for line in up.lines if READY.match(line)] == [f"gateway ready at {address}"]
         assert_all_gone(up, SERVICES)
+        assert not (tmp_path / "state" / "mesh.json").exists()    # the record goes with the mesh
     finally:
         up.kill()
 
