@@ -14,6 +14,15 @@ from common.config import mesh_config_from_dict  # noqa: E402
 from services.cli.launcher import MeshProcesses  # noqa: E402
 
 
+def ensure_tiny_model(model: Path) -> Path:
+    """The built-in tiny llama at `model`, made there first if missing."""
+    if not (model / "config.json").exists():
+        from common.model.tiny import make_tiny_model
+        print(f"making the tiny model in {model}", flush=True)
+        make_tiny_model("llama", model)
+    return model
+
+
 def start_pd_mesh(model: Path, engine: dict, transfer: str = "mooncake", prefix: str = "pdmesh-bench-"
                   ) -> MeshProcesses:
     """Start meta-server, prefill-0, decode-0 and the gateway on free ports; the caller

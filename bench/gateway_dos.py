@@ -35,7 +35,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench_mesh import start_pd_mesh
+from bench_mesh import ensure_tiny_model, start_pd_mesh
 from bench_model import ROOT
 
 from common.config import LimitsConfig  # noqa: E402
@@ -179,11 +179,7 @@ def main() -> int:
     ap.add_argument("--model-dir", default=str(ROOT / "models" / "tiny-llama"))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gateway_dos.json"))
     args = ap.parse_args()
-    model = Path(args.model_dir)
-    if not (model / "config.json").exists():
-        from common.model.tiny import make_tiny_model
-        print(f"making the tiny model in {model}", flush=True)
-        make_tiny_model("llama", model)
+    model = ensure_tiny_model(Path(args.model_dir))
     mesh = start_pd_mesh(model, ENGINE, "mooncake", prefix="pdmesh-dos-")
     try:
         results = asyncio.run(run(mesh.gateway_address, args.streams, args.repeats, args.rounds))

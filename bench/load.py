@@ -21,7 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench_mesh import start_pd_mesh
+from bench_mesh import ensure_tiny_model, start_pd_mesh
 from bench_model import ROOT
 
 from common.engine import LLM, SamplingParams  # noqa: E402
@@ -75,11 +75,7 @@ def main() -> int:
     ap.add_argument("--model-dir", default=str(ROOT / "models" / "tiny-llama"))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "load.json"))
     args = ap.parse_args()
-    model = Path(args.model_dir)
-    if not (model / "config.json").exists():
-        from common.model.tiny import make_tiny_model
-        print(f"making the tiny model in {model}", flush=True)
-        make_tiny_model("llama", model)
+    model = ensure_tiny_model(Path(args.model_dir))
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 640) for _ in range(rng.randrange(16, 257))] for _ in range(args.streams)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

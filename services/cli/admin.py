@@ -119,18 +119,16 @@ def run(args: argparse.Namespace) -> int:
     import grpc
 
     from protos.pdmesh.v1 import meta_pb2_grpc
-    from services.security.client_auth import client_channel
-    from services.security.client_creds import admin_token, client_tls, mesh_address
+    from services.security.client_creds import mesh_address, operator_channel
     from services.security.credentials import MissingCredentialsError
     args.meta = args.meta or mesh_address("meta") or "127.0.0.1:50051"
     try:
-        token = admin_token(args.token_file, address=args.meta)
-        tls = client_tls(args.tls_dir, "admin", address=args.meta)
+        channel = operator_channel(args.meta, args.token_file, args.tls_dir)
     except MissingCredentialsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        with client_channel(args.meta, bearer=token, tls=tls, sync=True) as channel:
+        with channel:
             result, text = _call(meta_pb2_grpc.MetaAdminStub(channel), args)
     except grpc.RpcError as e:
         print(f"error: {args.meta}: {e.code().name}: {e.details()}", file=sys.stderr)

@@ -32,18 +32,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import grpc
     from protos.pdmesh.v1 import kv_store_pb2, kv_store_pb2_grpc
-    from services.security.client_auth import client_channel
-    from services.security.client_creds import admin_token, client_tls, mesh_address
+    from services.security.client_creds import mesh_address, operator_channel
     from services.security.credentials import MissingCredentialsError
     args.address = args.address or mesh_address("kv_store") or "127.0.0.1:50080"
     try:
-        token = admin_token(args.token_file, address=args.address)
-        tls = client_tls(args.tls_dir, "admin", address=args.address)
+        channel = operator_channel(args.address, args.token_file, args.tls_dir)
     except MissingCredentialsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        with client_channel(args.address, bearer=token, tls=tls, sync=True) as channel:
+        with channel:
             stats = kv_store_pb2_grpc.KVStoreStub(channel).Stats(kv_store_pb2.StatsRequest(), timeout=5)
     except grpc.RpcError as e:
         print(f"kv-store {args.address}: {e.code().name}: {e.details()}", file=sys.stderr)

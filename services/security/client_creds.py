@@ -56,5 +56,13 @@ def client_tls(tls_dir: str = "", cert_name: str | None = None, environ=None, ad
     return tls_files(folder, cert_name) if folder else None
 
 
+def operator_channel(address: str, token_file: str = "", tls_dir: str = ""):
+    """A blocking channel as the operator (admin token; with TLS, admin.crt) to address.
+    MissingCredentialsError when a named file cannot be read."""
+    from services.security.client_auth import client_channel
+    return client_channel(address, bearer=admin_token(token_file, address=address),
+                          tls=client_tls(tls_dir, "admin", address=address), sync=True)
+
+
 def mesh_address(which: str, environ=None) -> str:
     return state(environ).get(which, "")

@@ -8,11 +8,11 @@ from __future__ import annotations
 import ctypes
 import os
 import socket
-import subprocess
 
 import pytest
 
 from common.transfer import create_transfer
+from tests.host_addresses import other_ipv4
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/net/tcp"), reason="Linux /proc needed")
 
@@ -50,20 +50,6 @@ def listening_ports() -> dict[int, set[str]]:
                 raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
                 ports.setdefault(int(port, 16), set()).add(socket.inet_ntop(family, raw))
     return ports
-
-
-def other_ipv4() -> str | None:
-    """A non-loopback IPv4 address of this host, if it has one."""
-    try:
-        out = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"], capture_output=True,
-                             text=True, timeout=5).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    for line in out.splitlines():
-        fields = line.split()
-        if "inet" in fields:
-            return fields[fields.index("inet") + 1].split("/")[0]
-    return None
 
 
 def connects(host: str, port: int, timeout_s: float = 0.5) -> bool:

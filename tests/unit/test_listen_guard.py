@@ -5,26 +5,13 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 
 import pytest
 
 from common.transfer import listen_guard
+from tests.host_addresses import other_ipv4
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/net/tcp"), reason="Linux /proc needed")
-
-
-def other_ipv4() -> str | None:
-    try:
-        out = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"], capture_output=True,
-                             text=True, timeout=5).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    for line in out.splitlines():
-        fields = line.split()
-        if "inet" in fields:
-            return fields[fields.index("inet") + 1].split("/")[0]
-    return None
 
 
 def ipv6_works() -> bool:
