@@ -280,7 +280,8 @@ class LimitsConfig:
     max_stop_string_bytes   ... and the bytes of each
     max_stop_token_ids      entries of sampling.stop_token_ids
     max_request_id_bytes    request_id
-    tokenizer_threads       the pool that tokenizes off the event loop
+    tokenizer_threads       the pool that tokenizes off the event loop (at most 5 x as many
+                            texts in it at once: beyond, RESOURCE_EXHAUSTED)
     """
 
     max_prompt_bytes: int = 1 << 20

@@ -22,8 +22,10 @@ os.environ["PDMESH_ADMIN_TOKEN"] = TEST_ADMIN_TOKEN
 for _name in ("PDMESH_CLUSTER_SECRET_FILE", "PDMESH_ADMIN_TOKEN_FILE", "PDMESH_API_KEYS_FILE", "PDMESH_TLS_DIR",
               "PDMESH_API_KEY", "PDMESH_API_KEY_FILE"):
     os.environ.pop(_name, None)
+import atexit as _atexit  # noqa: E402
 import tempfile as _tempfile  # noqa: E402
 os.environ["PDMESH_STATE_DIR"] = _tempfile.mkdtemp(prefix="pdmesh-state-")
+_atexit.register(shutil.rmtree, os.environ["PDMESH_STATE_DIR"], True)
 
 _ENGINES: dict[tuple, object] = {}
 

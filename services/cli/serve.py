@@ -94,7 +94,10 @@ async def _serve(args) -> None:
     elif args.role == "gateway":
         from services.gateway.server import create_server
         server, _ = await create_server(mesh, args.port, credentials)
-        stop = server.stop
+
+        async def stop(grace):
+            await server.stop(grace)
+            await server.servicer.close()   # its tokenizer pool and channels
     failed = asyncio.Event()   # set when the service cannot serve any more
     if args.role in ("prefill", "decode", "both"):
         from services.node.node_server import create_node_server, stop_node_server

@@ -34,10 +34,11 @@ from services.gateway.meta_client import MetaClient
 from services.gateway.public_errors import PublicError
 from services.gateway.request_limits import check_generate, check_tokenize
 from services.gateway.request_stream import RequestStream
-from services.gateway.tokenizer_pool import TokenizerPool
+from services.gateway.tokenizer_pool import TokenizerBusy, TokenizerPool
 from services.gateway.wire import BadRequest
 
 log = logging.getLogger("pdmesh.gateway")
+MAX_MODEL_CHARS = 256
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -76,6 +77,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return hash_block_chain(ids, block_size, model_id, layout)
 
     def _check_model(self, model: str) -> None:
+        if len(model) > MAX_MODEL_CHARS:
+            raise ValueError(f"model is {len(model)} characters; a model id is at most {MAX_MODEL_CHARS}")
         if model and model != self.model_id:
             raise ValueError(f"model {public_errors.echo(model)} is not served here; "
                              f"available: [{self.model_id!r}]")
@@ -114,6 +117,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             ids, params = await self._validated(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except TokenizerBusy as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except Exception:
             await _abort(context, public_errors.internal_error("Generate", request.request_id))
         stream = RequestStream(meta=self.meta, decode=self.decode, timeouts=self.timeouts,
@@ -143,11 +148,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
             ids = await self.tokenizer_pool.encode(request.text, request.add_special_tokens)
+        except TokenizerBusy as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except Exception:
             await _abort(context, public_errors.internal_error("Tokenize"))
         return gateway_pb2.TokenizeResponse(token_ids=ids)
 
     async def ListModels(self, request, context):
+        if isinstance(request, BadRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return gateway_pb2.ListModelsResponse(models=[gateway_pb2.ModelInfo(
             id=self.model_id, max_model_len=self.max_model_len, vocab_size=self.vocab_size)])
 

@@ -24,7 +24,6 @@ from typing import Callable
 
 import grpc
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
-from google.protobuf.message import DecodeError
 
 from protos.pdmesh.v1 import gateway_pb2
 from services.gateway.wire_limits import NotMessage, check_generate_wire, check_tokenize_wire, read_varint
@@ -53,11 +52,12 @@ def tolerant_deserializer(message_cls, precheck: Callable[[memoryview], str | No
                 return BadRequest(refused)
         try:
             return message_cls.FromString(data)
-        except DecodeError:
+        except Exception:   # DecodeError, or whatever else hostile bytes make the parser raise
             field = bad_utf8_field(memoryview(data), message_cls.DESCRIPTOR)
             if field is not None:
                 return BadRequest(f"{field} is not valid UTF-8")
             return BadRequest(f"the request is not a valid {message_cls.DESCRIPTOR.full_name} message")
+    deserialize.never_raises = True   # services/node/malformed_requests.py leaves it alone
     return deserialize
 
 
@@ -120,10 +120,10 @@ def _has_strings(descriptor: Descriptor) -> bool:
 
 def add_gateway_to_server(servicer, server: grpc.aio.Server) -> None:
     """Register `servicer` (a GatewayServicer: its .limits) for pdmesh.v1.Gateway on `server`."""
-    limits = servicer.limits
+    limits, max_model_len = servicer.limits, servicer.max_model_len
 
     def generate(data: memoryview) -> str | None:
-        return check_generate_wire(data, limits)
+        return check_generate_wire(data, limits, max_model_len)
 
     def tokenize(data: memoryview) -> str | None:
         return check_tokenize_wire(data, limits)

@@ -5,8 +5,9 @@ one that raises (protobuf's DecodeError: truncated bytes, invalid UTF-8 in a `st
 field) with UNKNOWN "Unexpected <class ...>" and a traceback in the log. This interceptor,
 on every server after the authentication one (a refused call is never parsed at all),
 gives each unary-request handler a deserializer that cannot raise and a behavior that
-ends such a call with INVALID_ARGUMENT. Handlers that parse themselves (no deserializer:
-the gateway's, services/gateway/wire.py; raw-bytes transfer streams) are left alone.
+ends such a call with INVALID_ARGUMENT. Handlers whose deserializer is marked tolerant
+(`never_raises = True`: the gateway's, services/gateway/wire.py) and those without one
+(raw-bytes transfer streams) are left alone.
 """
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ def _safe(deserializer):
 
 
 def _wrapped(handler, is_async: bool):
-    if handler is None or handler.request_deserializer is None or not (handler.unary_unary or handler.unary_stream):
+    deserializer = None if handler is None else handler.request_deserializer
+    if (deserializer is None or getattr(deserializer, "never_raises", False)
+            or not (handler.unary_unary or handler.unary_stream)):
         return handler
     inner = handler.unary_unary or handler.unary_stream
     if is_async and inspect.isasyncgenfunction(inner):

@@ -34,7 +34,7 @@ def _mooncake_importable() -> bool:
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(not _mooncake_importable(), reason="mooncake.engine cannot be imported")]
-TTL = 2.0
+TTL = 10.0   # no case needs a lease to lapse: a long one survives a stalled host
 PROMPT = [(37 * i) % 500 + 3 for i in range(40)]           # 3 blocks of 16
 
 

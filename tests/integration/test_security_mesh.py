@@ -12,6 +12,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -173,8 +174,10 @@ def test_the_data_plane_rpcs_refuse_outsiders(mesh, victim):
     assert generate(mesh) == victim
     with client_channel(mesh.services["kv-store"].address, bearer=admin_token(mesh), tls=mesh.client_tls(),
                         sync=True) as ch:
-        stats = kv_store_pb2_grpc.KVStoreStub(ch).Stats(kv_store_pb2.StatsRequest(), timeout=5)
-    assert stats.blocks_used >= 2       # the real model's puts were stored
+        deadline = time.monotonic() + 30   # the prefill node puts its blocks after its reply
+        while kv_store_pb2_grpc.KVStoreStub(ch).Stats(kv_store_pb2.StatsRequest(), timeout=5).blocks_used < 2:
+            assert time.monotonic() < deadline, "the real model's blocks never reached the kv-store"
+            time.sleep(0.1)
 
 
 def admin_token(mesh) -> str:
@@ -208,6 +211,49 @@ def test_a_public_client_needs_a_key(mesh, victim):
             req = gateway_pb2.GenerateRequest(prompt="hello", sampling=common_pb2.SamplingParams(max_tokens=2))
             assert call_code(gateway_pb2_grpc.GatewayStub(ch).Generate, req) == want
             assert call_code(gateway_pb2_grpc.GatewayStub(ch).ListModels, gateway_pb2.ListModelsRequest()) == want
+
+
+def test_a_key_holder_s_oversized_or_malformed_requests_are_refused_naming_the_field(mesh, victim):
+    """The input attacks, by a client with a valid key: each refused at once with
+    INVALID_ARGUMENT naming the field (and the limit), nothing internal in the text."""
+    def sampling(**kw):
+        return common_pb2.SamplingParams(max_tokens=4, **kw)
+    cases = [
+        (gateway_pb2.GenerateRequest(prompt="x" * (10 << 20), sampling=sampling()),
+         "prompt is 10485760 bytes; the limit is limits.max_prompt_bytes = 1048576"),
+        (gateway_pb2.GenerateRequest(prompt="hi", sampling=sampling(stop_token_ids=[3] * 10 ** 6)),
+         "sampling.stop_token_ids has 1000000 ids; the limit is limits.max_stop_token_ids = 256"),
+        (gateway_pb2.GenerateRequest(prompt="hi", sampling=sampling(stop=["s"] * 10 ** 4)),
+         "sampling.stop has more than 16 strings; the limit is limits.max_stop_strings = 16"),
+        (gateway_pb2.GenerateRequest(prompt="hi", sampling=sampling(stop=["s" * (1 << 20)])),
+         "sampling.stop[0] is 1048576 bytes; the limit is limits.max_stop_string_bytes = 256"),
+        (gateway_pb2.GenerateRequest(prompt="hi", request_id="r" * (10 << 20), sampling=sampling()),
+         "request_id is 10485760 bytes; the limit is limits.max_request_id_bytes = 256"),
+        (gateway_pb2.GenerateRequest(prompt="hi", sampling=sampling(temperature=float("inf"))), "temperature"),
+    ]
+    with client_channel(mesh.gateway_address, bearer=mesh.api_key(), tls=mesh.client_tls(None), sync=True) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        for req, message in cases:
+            start = time.monotonic()
+            try:
+                list(stub.Generate(req, timeout=30))
+                raise AssertionError(f"accepted: {message}")
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.details(), e.details()
+                assert "127.0.0.1" not in e.details() and "Error" not in e.details()
+            assert time.monotonic() - start < 10      # fast: never tokenized (14-27 s before)
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.Tokenize(gateway_pb2.TokenizeRequest(text="x" * (10 << 20)), timeout=30)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert exc.value.details() == "text is 10485760 bytes; the limit is limits.max_prompt_bytes = 1048576"
+        raw = gateway_pb2.GenerateRequest(prompt="MARK", sampling=sampling()).SerializeToString()
+        call = ch.unary_stream("/pdmesh.v1.Gateway/Generate", request_serializer=None,
+                               response_deserializer=gateway_pb2.GenerateResponse.FromString)
+        with pytest.raises(grpc.RpcError) as exc:
+            list(call(raw.replace(b"MARK", b"\xffARK"), timeout=30))
+        assert (exc.value.code(), exc.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                                           "prompt is not valid UTF-8")
+    assert generate(mesh) == victim
 
 
 def test_the_cli_works_with_the_generated_credentials_and_refuses_a_wrong_key(mesh, tmp_path):

@@ -51,7 +51,7 @@ from tests.conftest import assert_no_blocks_in_use
 
 pytestmark = pytest.mark.timeout(240)
 C = grpc.StatusCode
-TTL = 3.0
+TTL = 10.0   # no case needs a lease to lapse: a long one survives a stalled host
 MAX_MODEL_LEN = 128
 VOCAB = 1024
 MODEL_ID = "tiny"
@@ -311,6 +311,8 @@ def mesh(tiny_model, tmp_path_factory):
     finally:
         m.loop.call_soon_threadsafe(m.loop.stop)
         m.thread.join(10)
+        if not m.thread.is_alive():
+            m.loop.close()
 
 
 # ---- strategies ---------------------------------------------------------------------

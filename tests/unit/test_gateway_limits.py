@@ -30,7 +30,7 @@ from protos.pdmesh.v1 import (common_pb2, engine_pb2, engine_pb2_grpc, gateway_p
 from services.gateway.servicer import GatewayServicer
 from services.gateway.tokenizer_pool import TokenizerPool
 from services.gateway.wire import BadRequest, add_gateway_to_server, tolerant_deserializer
-from services.gateway.wire_limits import check_generate_wire
+from services.gateway.wire_limits import check_generate_wire, check_tokenize_wire
 from services.meta_server.server import create_server
 from services.node import grpc_util
 
@@ -220,7 +220,19 @@ def test_a_long_model_name_is_not_echoed_whole(model):
 
     err = asyncio.run(scenario())
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.details() == f"model {'m' * 64!r}... (100000 bytes) is not served here; available: ['tiny']"
+    assert err.details() == "model is 100000 bytes; a model id is at most 1024"   # read off the wire
+
+
+def test_an_unknown_model_is_echoed_cut_short(model):
+    async def scenario():
+        async with Mesh(model, LimitsConfig(), FakeDecode()) as mesh:
+            req = request()
+            req.model = "m" * 200
+            return await refused(mesh, req)
+
+    err = asyncio.run(scenario())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details() == f"model {'m' * 64!r}... (200 bytes) is not served here; available: ['tiny']"
 
 
 # ---- invalid UTF-8 -----------------------------------------------------------------------
@@ -276,7 +288,7 @@ def test_huge_repeated_fields_are_refused_before_parsing():
     ids = request(ids=[1000] * 10_000_000).SerializeToString()   # 20 MB
     start = time.monotonic()
     assert check(ids) == "prompt_token_ids has 10000000 ids; the limit is limits.max_prompt_token_ids = 1048576"
-    assert time.monotonic() - start < 0.3
+    assert time.monotonic() - start < 2.0     # parsing them would take ~0.4 s on a quiet host
     stop_ids = request(stop_token_ids=[7] * 1_000_000).SerializeToString()
     assert check(stop_ids) == ("sampling.stop_token_ids has 1000000 ids; "
                                "the limit is limits.max_stop_token_ids = 256")
@@ -286,10 +298,33 @@ def test_huge_repeated_fields_are_refused_before_parsing():
         "sampling.stop_token_ids has more than 256 ids; the limit is limits.max_stop_token_ids = 256")
     token_ids = _unpacked_ids(1, [5] * 600_000)                   # over 1 MiB, unpacked
     assert check(b"\x1a" + _varint(len(token_ids)) + token_ids) == "prompt_token_ids has more than 64 fields"
-    assert check(unpacked + b"\x2a\x01m" * 100) == "the request has more than 64 fields"
+    assert check(unpacked + b"\x38\x01" * 100) == "the request has more than 64 fields"   # unknown field 7
     stops = request(stop=["s"] * 10_000).SerializeToString()
     assert check(stops) == "sampling.stop has more than 16 strings; the limit is limits.max_stop_strings = 16"
     assert check(request(ids=[1000] * 100_000, stop=["s"] * 16, stop_token_ids=[3] * 256).SerializeToString()) is None
+
+
+def test_a_singular_field_sent_many_times_is_refused_before_parsing():
+    """Protobuf merges or replaces repeated occurrences of a singular field, so 60 copies
+    of 1 MiB of ids (63 MB, under the 64 MiB message cap) would each pass a per-copy check
+    and cost the parser 63 MB; a second occurrence is refused off the wire at once."""
+    def check(req: bytes, max_model_len=None) -> str | None:
+        return check_generate_wire(memoryview(req), LimitsConfig(), max_model_len)
+
+    one = request(ids=[1] * ((1 << 20) - 1)).SerializeToString()
+    assert check(one) is None
+    start = time.monotonic()
+    assert check(one * 60) == "prompt_token_ids appears more than once in the request"
+    assert time.monotonic() - start < 2.0
+    assert check(request(prompt="x" * 1000).SerializeToString() * 3) == "prompt appears more than once in the request"
+    sampling = gateway_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(stop=["s"] * 16)).SerializeToString()
+    assert check(sampling * 4) == "sampling appears more than once in the request"
+    assert check(one, max_model_len=2048) == (
+        f"prompt_token_ids has {(1 << 20) - 1} ids; a prompt must be shorter than max_model_len (2048)")
+    model = gateway_pb2.GenerateRequest(model="m" * 2000, prompt="hi").SerializeToString()
+    assert check(model) == "model is 2000 bytes; a model id is at most 1024"
+    tokenize = gateway_pb2.TokenizeRequest(text="hello").SerializeToString()
+    assert check_tokenize_wire(memoryview(tokenize * 2), LimitsConfig()) == "text appears more than once in the request"
 
 
 def _varint(value: int) -> bytes:
