@@ -13,11 +13,11 @@ $(PY):
 	$(PYTHON_BOOT) -m venv $(VENV)
 
 # CPU torch first (a file on local disk here; an unpinned torch would pull a CUDA build),
-# then the project and its test extras.
+# then the project and its test, mooncake and bench extras.
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --upgrade pip
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[test,mooncake]'
+	$(PIP) install -e '.[test,mooncake,bench]'
 	touch $(STAMP)
 
 # Debian packages: etcd and redis-server (tests start their own on free ports); libibverbs1,

@@ -23,14 +23,18 @@ def ensure_tiny_model(model: Path) -> Path:
     return model
 
 
-def start_pd_mesh(model: Path, engine: dict, transfer: str = "mooncake", prefix: str = "pdmesh-bench-"
-                  ) -> MeshProcesses:
-    """Start meta-server, prefill-0, decode-0 and the gateway on free ports; the caller
-    stops it (mesh.stop())."""
+PD_NODES = (("prefill", "prefill-0"), ("decode", "decode-0"))
+COLOCATED_NODES = (("both", "both-0"),)
+
+
+def start_pd_mesh(model: Path, engine: dict, transfer: str = "mooncake", prefix: str = "pdmesh-bench-",
+                  nodes=PD_NODES) -> MeshProcesses:
+    """Start the meta-server, the nodes (default prefill-0 and decode-0) and the gateway on
+    free ports; the caller stops it (mesh.stop())."""
     work = Path(tempfile.mkdtemp(prefix=prefix))
     raw = {"model": str(model), "engine": engine, "transfer": {"backend": transfer},
            "meta_server": {"port": 0}, "gateway": {"port": 0},
-           "nodes": [{"role": "prefill", "node_id": "prefill-0"}, {"role": "decode", "node_id": "decode-0"}]}
+           "nodes": [{"role": role, "node_id": node_id} for role, node_id in nodes]}
     cfg = work / "mesh.yaml"
     cfg.write_text(yaml.safe_dump(raw))
     mesh = MeshProcesses(str(cfg), mesh_config_from_dict(raw), work / "logs")

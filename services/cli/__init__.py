@@ -22,6 +22,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "services.cli.kv_store",
     "services.cli.certs",
     "services.cli.secrets",
+    "services.cli.bench",
 )
 
 

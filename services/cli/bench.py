@@ -1,0 +1,89 @@
+"""`pdmesh bench serve`: the online benchmark users run against a gateway.
+
+    pdmesh bench serve --gateway HOST:PORT --dataset random --num-prompts 48 \\
+        --request-rate 0.5,1,2,inf --goodput ttft:2000 tpot:100 --out serving.json
+
+For each rate (requests/s, Poisson arrivals seeded by --seed; inf = all at once) the same
+requests are sent, after --warmup requests that are not counted; the summary (TTFT, TPOT,
+ITL, E2E mean / p50 / p90 / p99 in ms, output tokens/s, requests/s, goodput) is printed
+per rate and written to --out as JSON, with a PNG of the percentiles against the rate
+(--plot, default next to --out). Datasets:
+
+    random         log-normal lengths around --random-input-len / --random-output-len
+                   (--random-sigma; 0 = fixed), random token ids
+    shared-prefix  --sp-num-groups system prompts of --sp-system-len tokens, each with
+                   --sp-prompts-per-group questions of --sp-question-len tokens
+    jsonl          --dataset-path: one {"prompt": ...} or {"prompt_token_ids": [...]} a line,
+                   optional "max_tokens" (default --random-output-len)
+
+Every request is greedy with ignore_eos, so it makes exactly its max_tokens tokens.
+Credentials as for `pdmesh generate`. Exit code 0 when every request completed, 1 when
+some failed, 2 on bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _rates(text: str) -> list[float]:
+    rates = []
+    for item in text.split(","):
+        item = item.strip()
+        try:
+            rate = float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a rate is a number of requests/s or inf, got {item!r}") from None
+        if not rate > 0:
+            raise argparse.ArgumentTypeError(f"a rate must be > 0 (or inf), got {item!r}")
+        rates.append(rate)
+    return rates
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench", help="benchmark a running mesh", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    s = actions.add_parser("serve", help="online serving benchmark against a gateway", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--gateway", default="", metavar="HOST:PORT",
+                   help="the gateway (default: the running mesh's, else 127.0.0.1:50050)")
+    s.add_argument("--api-key-file", default="")
+    s.add_argument("--tls-dir", default="")
+    s.add_argument("--model", default="", help="GenerateRequest.model (default: the mesh's)")
+    s.add_argument("--dataset", choices=("random", "shared-prefix", "jsonl"), default="random")
+    s.add_argument("--dataset-path", default="", help="jsonl: the file")
+    s.add_argument("--num-prompts", type=int, default=48)
+    s.add_argument("--random-input-len", type=int, default=190)
+    s.add_argument("--random-output-len", type=int, default=65)
+    s.add_argument("--random-sigma", type=float, default=0.5)
+    s.add_argument("--sp-num-groups", type=int, default=4)
+    s.add_argument("--sp-prompts-per-group", type=int, default=8)
+    s.add_argument("--sp-system-len", type=int, default=512)
+    s.add_argument("--sp-question-len", type=int, default=64)
+    s.add_argument("--sp-output-len", type=int, default=64)
+    s.add_argument("--request-rate", type=_rates, default=[float("inf")], metavar="R1,R2,...",
+                   help="requests/s per run, comma-separated; inf = all at once (default: inf)")
+    s.add_argument("--max-concurrency", type=int, default=0, help="most requests in flight (0 = no bound)")
+    s.add_argument("--goodput", nargs="*", default=[], metavar="NAME:MS", help="SLOs: ttft:MS tpot:MS e2e:MS")
+    s.add_argument("--warmup", type=int, default=2, help="requests sent first, not counted")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", default="bench-serve.json", help="the JSON (default: %(default)s)")
+    s.add_argument("--plot", default="", help="the PNG (default: --out with .png)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from services.bench.metrics import parse_goodput
+    from services.bench.serve import ServeConfig, run_serve_benchmark
+    from services.security.credentials import MissingCredentialsError
+    try:
+        slos = parse_goodput(args.goodput)
+        config = ServeConfig.from_args(args)
+        code = asyncio.run(run_serve_benchmark(config, slos, argv=sys.argv))
+    except (ValueError, MissingCredentialsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return code
