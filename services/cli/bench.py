@@ -76,6 +76,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
+    import grpc
+
     from services.bench.metrics import parse_goodput
     from services.bench.serve import ServeConfig, run_serve_benchmark
     from services.security.credentials import MissingCredentialsError
@@ -86,4 +88,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, MissingCredentialsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except grpc.aio.AioRpcError as e:   # the gateway itself (ListModels): unreachable, refused
+        print(f"error: {args.gateway or 'the gateway'}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
     return code
