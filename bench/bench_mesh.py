@@ -2,6 +2,7 @@
 on this host (services.cli.launcher), config and logs in a new temp folder."""
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -49,3 +50,11 @@ def use_client_key(mesh: MeshProcesses) -> None:
     path = mesh.environ.get("PDMESH_API_KEYS_FILE", "")
     if path:
         os.environ["PDMESH_API_KEY_FILE"] = path
+
+
+def write_result(path: str | Path, out: dict, ok: bool) -> int:
+    """Write a benchmark's JSON, say PASS or FAIL and where; the exit code."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=2))
+    print(f"{'PASS' if ok else 'FAIL'}; wrote {path}")
+    return 0 if ok else 1

@@ -29,13 +29,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import random
 import statistics
 import time
 from pathlib import Path
 
-from bench_mesh import ensure_tiny_model, start_pd_mesh
+from bench_mesh import ensure_tiny_model, start_pd_mesh, write_result
 from bench_model import ROOT
 
 from common.config import LimitsConfig  # noqa: E402
@@ -207,10 +206,7 @@ def main() -> int:
            "engine": ENGINE, "limits": dataclasses.asdict(LimitsConfig()), "phases": phases, "pass": ok,
            "target": f"10 MB prompt refused within {REFUSAL_TARGET_S * 1e3:.0f} ms (p50); no token gap above "
                      f"{GAP_TARGET_S * 1e3:.0f} ms (median over rounds of each round's longest) in any phase"}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
-    print(f"{'PASS' if ok else 'FAIL'}; wrote {args.out}")
-    return 0 if ok else 1
+    return write_result(args.out, out, ok)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import time
 from pathlib import Path
 
-from bench_mesh import ensure_tiny_model, start_pd_mesh
+from bench_mesh import ensure_tiny_model, start_pd_mesh, write_result
 from bench_model import ROOT
 
 from common.engine import LLM, SamplingParams  # noqa: E402
@@ -121,10 +120,7 @@ def main() -> int:
            "engine": ENGINE, "gateway_rss_fresh_kib": fresh, "gateway_rss_warm_kib": warm,
            "cold_growth": (warm - fresh) / fresh, "rounds": rounds, "pass": ok,
            "target": "every stream exact; gateway RSS after within 10% of before"}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
-    print(f"{'PASS' if ok else 'FAIL'}; wrote {args.out}")
-    return 0 if ok else 1
+    return write_result(args.out, out, ok)
 
 
 if __name__ == "__main__":

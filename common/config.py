@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from common.timeouts import TimeoutConfig  # noqa: F401  (part of the config; defined apart for its length)
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "npu")
 KERNEL_BACKENDS = ("auto", "ref", "npu", "cuda")
@@ -101,98 +103,6 @@ class MetaConfig:
     @property
     def address(self) -> str:
         return f"{self.advertise_host or self.host}:{self.port}"
-
-
-@dataclass(frozen=True)
-class TimeoutConfig:
-    """Every timeout and lease of a request's path (section `timeouts:`), in the order that
-    makes "no KV write lands after its blocks were freed" true; checked at load:
-
-        2 x transfer_s < cancel_ack_s < prefill_s < request_s
-        2 x transfer_s < kv_store_pin_lease_s,  2 x transfer_s < kv_store_reserve_lease_s
-
-    transfer_s        the timeout of one KV push or read (a transfer engine call). Past it
-                      the call gives up, then waits as long again for ranges still in
-                      flight to end: so a call returns within `transfer_bound_s`
-                      (2 x transfer_s), the longest a write can land after its sender was
-                      told to stop. A prefill node starts no write past its request's
-                      deadline either. It must cover the largest push (bytes / bandwidth).
-    cancel_ack_s      a decode node waits this long for a prefill node to confirm that none
-                      of a cancelled prefill's writes can land (it first lets the writes in
-                      flight end, up to transfer_bound_s); unconfirmed, the destination
-                      blocks stay QUARANTINED until that node confirms, or its address
-                      refuses connections (its process is gone) for transfer_bound_s, and at
-                      most until the request's deadline plus transfer_bound_s. A lapsed
-                      membership lease frees nothing: a stopped process resumes its writes.
-    prefill_s         a decode node gives up on a prefill node after this (cancels it, then
-                      prefills here).
-    request_s         the gateway's deadline for a whole request (the client's own gRPC
-                      deadline when that is sooner); every hop passes on what remains:
-                      gateway -> decode -> prefill -> transfer.
-    route_s           the gateway's Route call (answered from the meta-server's memory).
-    meta_follow_s     how long the gateway looks for the leading meta-server (a standby
-                      takes over within one TTL) before a request fails; never past the
-                      request's deadline.
-    kv_store_call_s   a node's control call to the kv-store; slower is a miss.
-    kv_store_pin_lease_s, kv_store_reserve_lease_s
-                      the store keeps a get's pinned slots / a put's reserved slots this
-                      long unless released or committed sooner. A transfer starts only while
-                      more than transfer_bound_s of its lease is left, so it never outlives
-                      the lease; one that does anyway is detected (slot generations) and is
-                      a miss, and an expired reservation's slots cool for transfer_bound_s
-                      before reuse.
-    kv_store_lookup_s the meta-server's Lookup at the store under cache_aware.
-    progress_s        the gateway: a decode stream that sent nothing for this long is
-                      checked; when its node is neither a live, unstalled member nor
-                      answering SERVING to a health probe (it is stopped or hung), the
-                      request migrates to another decode node; a live node is waited for
-                      again.
-    stall_s           a node whose current step has run this long (hung), or whose engine
-                      left a command waiting this long, reports NOT_SERVING and leaves
-                      routing until it makes progress. Longer than the longest healthy step
-                      (a full prefill chunk), shorter than request_s.
-    """
-
-    transfer_s: float = 5.0
-    cancel_ack_s: float = 15.0
-    prefill_s: float = 30.0
-    request_s: float = 600.0
-    route_s: float = 5.0
-    meta_follow_s: float = 8.0
-    kv_store_call_s: float = 2.0
-    kv_store_pin_lease_s: float = 20.0
-    kv_store_reserve_lease_s: float = 30.0
-    kv_store_lookup_s: float = 0.05
-    progress_s: float = 2.0
-    stall_s: float = 10.0
-
-    @property
-    def transfer_bound_s(self) -> float:
-        """The longest one transfer call runs: its timeout, then the wait for ranges in flight."""
-        return 2 * self.transfer_s
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if getattr(self, f.name) <= 0:
-                raise ValueError(f"timeouts.{f.name} must be > 0, got {getattr(self, f.name)}")
-        order = "2 x transfer_s < cancel_ack_s < prefill_s < request_s"
-        if not self.transfer_bound_s < self.cancel_ack_s:
-            raise ValueError(f"2 x timeouts.transfer_s ({self.transfer_bound_s}) must be < timeouts.cancel_ack_s "
-                             f"({self.cancel_ack_s}): the order must be {order}")
-        chain = ("cancel_ack_s", "prefill_s", "request_s")
-        for shorter, longer in zip(chain, chain[1:]):
-            if not getattr(self, shorter) < getattr(self, longer):
-                raise ValueError(
-                    f"timeouts.{shorter} ({getattr(self, shorter)}) must be < timeouts.{longer} "
-                    f"({getattr(self, longer)}): the order must be {order}")
-        for name in ("progress_s", "stall_s"):
-            if not getattr(self, name) < self.request_s:
-                raise ValueError(f"timeouts.{name} ({getattr(self, name)}) must be < timeouts.request_s "
-                                 f"({self.request_s})")
-        for lease in ("kv_store_pin_lease_s", "kv_store_reserve_lease_s"):
-            if not self.transfer_bound_s < getattr(self, lease):
-                raise ValueError(f"timeouts.{lease} ({getattr(self, lease)}) must be > 2 x timeouts.transfer_s "
-                                 f"({self.transfer_bound_s}): a lease must outlive the transfer it guards")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """This host's addresses, for tests of what listens where."""
 from __future__ import annotations
 
+import socket
 import subprocess
 
 
@@ -16,3 +17,14 @@ def other_ipv4() -> str | None:
         if "inet" in fields:
             return fields[fields.index("inet") + 1].split("/")[0]
     return None
+
+
+def connects(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    """Whether a TCP connection to host:port is accepted within timeout_s."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.settimeout(timeout_s)
+        try:
+            s.connect((host, port))
+        except OSError:
+            return False
+    return True

@@ -12,7 +12,7 @@ import socket
 import pytest
 
 from common.transfer import create_transfer
-from tests.host_addresses import other_ipv4
+from tests.host_addresses import connects, other_ipv4
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/net/tcp"), reason="Linux /proc needed")
 
@@ -50,17 +50,6 @@ def listening_ports() -> dict[int, set[str]]:
                 raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
                 ports.setdefault(int(port, 16), set()).add(socket.inet_ntop(family, raw))
     return ports
-
-
-def connects(host: str, port: int, timeout_s: float = 0.5) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
-        s.settimeout(timeout_s)
-        try:
-            s.connect((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def opened_by(make):
