@@ -16,7 +16,7 @@ import ctypes
 from collections.abc import Iterable, Iterator
 
 
-def _varint(value: int) -> bytes:
+def encode_varint(value: int) -> bytes:
     out = bytearray()
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
@@ -25,7 +25,9 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
+def read_varint(buf: bytes, pos: int) -> tuple[int, int]:
+    """(the protobuf varint at buf[pos], the position after it); ValueError when too long,
+    IndexError when it runs past the end."""
     value = shift = 0
     while True:
         byte = buf[pos]
@@ -45,12 +47,12 @@ def _scan(buf: bytes, message: str) -> dict[tuple[int, int], int | tuple[int, in
     pos = 0
     try:
         while pos < len(buf):
-            tag, pos = _read_varint(buf, pos)
+            tag, pos = read_varint(buf, pos)
             field, wire = tag >> 3, tag & 7
             if wire == 0:
-                fields[field, wire], pos = _read_varint(buf, pos)
+                fields[field, wire], pos = read_varint(buf, pos)
             elif wire == 2:
-                size, pos = _read_varint(buf, pos)
+                size, pos = read_varint(buf, pos)
                 fields[field, wire] = (pos, size)
                 pos += size
             elif wire in (1, 5):
@@ -71,7 +73,7 @@ def bytes_address(buf: bytes) -> int:
 
 def encode_chunk(remote_address: int, local_address: int, length: int) -> bytes:
     """WriteChunk(remote_address, data=<length bytes at local_address>), serialized."""
-    header = (b"\x08" + _varint(remote_address) if remote_address else b"") + b"\x12" + _varint(length)
+    header = (b"\x08" + encode_varint(remote_address) if remote_address else b"") + b"\x12" + encode_varint(length)
     return b"".join((header, (ctypes.c_char * length).from_address(local_address)))
 
 
@@ -95,10 +97,10 @@ def encode_read_chunks(ranges: Iterable[tuple[int, int]], chunk_bytes: int) -> I
             pieces.append((ctypes.c_char * n).from_address(address + off))
             size, off = size + n, off + n
             if size == chunk_bytes:
-                yield b"".join([b"\x0a" + _varint(size), *pieces])
+                yield b"".join([b"\x0a" + encode_varint(size), *pieces])
                 pieces, size = [], 0
     if pieces:
-        yield b"".join([b"\x0a" + _varint(size), *pieces])
+        yield b"".join([b"\x0a" + encode_varint(size), *pieces])
 
 
 def decode_read_chunk(buf: bytes) -> tuple[int, int]:

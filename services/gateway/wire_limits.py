@@ -32,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from common.config import LimitsConfig
+from common.transfer import grpc_wire
 from protos.pdmesh.v1 import common_pb2, gateway_pb2
 from services.gateway.request_limits import bytes_over_limit, count_over_limit
 
@@ -188,13 +189,7 @@ def _fields(data: memoryview, where: str, more: int = 0):
 
 def read_varint(data: memoryview, pos: int) -> tuple[int, int]:
     """(the varint at data[pos], the position after it); NotMessage if it is not one."""
-    value = shift = 0
-    while True:
-        if pos >= len(data) or shift > 63:
-            raise NotMessage
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
+    try:
+        return grpc_wire.read_varint(data, pos)
+    except (ValueError, IndexError):
+        raise NotMessage from None

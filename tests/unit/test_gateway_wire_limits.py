@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from common.config import LimitsConfig
+from common.transfer.grpc_wire import encode_varint
 from protos.pdmesh.v1 import common_pb2, gateway_pb2
 from services.gateway.wire import BadRequest, tolerant_deserializer
 from services.gateway.wire_limits import check_generate_wire, check_tokenize_wire
@@ -41,10 +42,10 @@ def test_huge_repeated_fields_are_refused_before_parsing():
                                "the limit is limits.max_stop_token_ids = 256")
     unpacked = gateway_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(max_tokens=4)).SerializeToString()
     sampling = common_pb2.SamplingParams(max_tokens=4).SerializeToString() + _unpacked_ids(7, [1] * 300)
-    assert check(b"\x22" + _varint(len(sampling)) + sampling) == (
+    assert check(b"\x22" + encode_varint(len(sampling)) + sampling) == (
         "sampling.stop_token_ids has more than 256 ids; the limit is limits.max_stop_token_ids = 256")
     token_ids = _unpacked_ids(1, [5] * 600_000)                   # over 1 MiB, unpacked
-    assert check(b"\x1a" + _varint(len(token_ids)) + token_ids) == "prompt_token_ids has more than 64 fields"
+    assert check(b"\x1a" + encode_varint(len(token_ids)) + token_ids) == "prompt_token_ids has more than 64 fields"
     assert check(unpacked + b"\x38\x01" * 100) == "the request has more than 64 fields"   # unknown field 7
     stops = request(stop=["s"] * 10_000).SerializeToString()
     assert check(stops) == "sampling.stop has more than 16 strings; the limit is limits.max_stop_strings = 16"
@@ -72,14 +73,3 @@ def test_a_singular_field_sent_many_times_is_refused_before_parsing():
     assert check(model) == "model is 2000 bytes; a model id is at most 1024"
     tokenize = gateway_pb2.TokenizeRequest(text="hello").SerializeToString()
     assert check_tokenize_wire(memoryview(tokenize * 2), LimitsConfig()) == "text appears more than once in the request"
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    return bytes([*out, value])
-
-
-# ---- the mesh's errors: plain words and an error id --------------------------------------
