@@ -13,11 +13,13 @@ $(PY):
 	$(PYTHON_BOOT) -m venv $(VENV)
 
 # CPU torch first (a file on local disk here; an unpinned torch would pull a CUDA build),
-# then the project and its test, mooncake and bench extras.
-$(STAMP): pyproject.toml | $(PY)
+# then the project and its test, mooncake and bench extras, then the cpu kernel backend's
+# C++ decode attention (a minute or two; skipped with a warning where no compiler is).
+$(STAMP): pyproject.toml kernels/csrc/paged_decode_cpu.cpp | $(PY)
 	$(PIP) install --upgrade pip
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[test,mooncake,bench]'
+	$(PY) -m kernels.cpu_extension
 	touch $(STAMP)
 
 # Debian packages: etcd and redis-server (tests start their own on free ports); libibverbs1,

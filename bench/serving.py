@@ -5,8 +5,9 @@ turns (both are up; only the one measured has work), --rounds times.
 
     python bench/serving.py [--num-prompts 24] [--rates 1,inf] [--rounds 1]
 
-Writes bench/results/serving.json (every run, and per rate the ratio 1P+1D / colocated of
-output tokens/s and of TPOT p50, the median over rounds) and one PNG per topology.
+Writes bench/results/serving.json (the command, the machine, every run, and per rate the
+ratio 1P+1D / colocated of output tokens/s and of TPOT p50, the median over rounds) and
+one PNG per topology. bench/vs_vllm.py measures both against vLLM on the same requests.
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ import sys
 from bench_mesh import COLOCATED_NODES, PD_NODES, start_pd_mesh
 from bench_model import ROOT, ensure_bench_model
 
+from services.bench.machine import machine_info  # noqa: E402
 from services.bench.plot import plot_rates  # noqa: E402
-from services.bench.serve import ServeConfig, run_serve_benchmark  # noqa: E402
+from services.bench.serve import ServeConfig, command_line, run_serve_benchmark  # noqa: E402
 
 ENGINE = {"num_blocks": 2048, "max_num_seqs": 64, "max_model_len": 2048}
 TOPOLOGIES = {"colocated": COLOCATED_NODES, "1p1d": PD_NODES}
@@ -71,7 +73,8 @@ def main() -> int:
         }
         print(f"rate {key}: 1P+1D / colocated output tok/s {ratios[key]['output_throughput_1p1d_over_colocated']:.2f}, "
               f"TPOT p50 {ratios[key]['tpot_p50_1p1d_over_colocated']:.2f}")
-    report = {"command": "python bench/serving.py " + " ".join(sys.argv[1:]), "model": str(model.name),
+    report = {"command": command_line(["python", "bench/serving.py", *sys.argv[1:]]), "machine": machine_info(),
+              "model": str(model.name),
               "engine": ENGINE, "num_prompts": args.num_prompts, "rates": list(map(str, rates)),
               "input_len": args.input_len, "output_len": args.output_len, "runs": runs, "ratios": ratios}
     path = ROOT / "bench" / "results" / "serving.json" if not args.out else args.out

@@ -6,18 +6,23 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from common.engine.cpu_budget import check_cpu_cores, parse_cpu_list
 from common.timeouts import TimeoutConfig  # noqa: F401  (part of the config; defined apart for its length)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "npu")
-KERNEL_BACKENDS = ("auto", "ref", "npu", "cuda")
+KERNEL_BACKENDS = ("auto", "ref", "cpu", "npu", "cuda")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """One inference engine. Zero means "derive": block_size from the kernel backend
-    (16 on ref/cuda, 128 on npu), num_blocks from kv_cache_memory, max_model_len from the
-    model's max_position_embeddings and the cache size."""
+    (16 on ref/cpu/cuda, 128 on npu), num_blocks from kv_cache_memory, max_model_len from the
+    model's max_position_embeddings and the cache size.
+
+    cpu_cores pins the engine's process to those cores (ids, or "0-3,6" / [0, 1] in YAML,
+    normalized to a sorted tuple); () = not pinned. num_threads 0 = one thread per core of
+    cpu_cores, or torch's default when not pinned (common/engine/cpu_budget.py)."""
 
     model: str
     model_id: str = ""
@@ -34,6 +39,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     num_threads: int = 0
+    cpu_cores: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -48,6 +54,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        object.__setattr__(self, "cpu_cores", parse_cpu_list(self.cpu_cores))   # "0-3,6" -> (0, 1, 2, 3, 6)
+        check_cpu_cores(self.cpu_cores)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":
@@ -62,22 +70,29 @@ class EngineConfig:
 ROLES = ("prefill", "decode", "both")
 POLICIES = ("cache_aware", "least_load", "round_robin")
 TRANSFER_BACKENDS = ("mooncake", "grpc", "fake")
+KV_PUSH_MODES = ("layerwise", "chunk")
 
 
 @dataclass(frozen=True)
 class TransferConfig:
     """hostname: the address peers reach this node's transfer engine at; "" = each node's
-    advertised host (NodeConfig.advertised_host), which a multi-host mesh needs."""
+    advertised host (NodeConfig.advertised_host), which a multi-host mesh needs.
+    kv_push: how a prefill node pushes KV (services/prefill/kv_push.py): "layerwise", each
+    layer's as soon as the forward pass wrote it (the transfer overlaps the later layers),
+    or "chunk", all layers after each step."""
 
     backend: str = "mooncake"
     protocol: str = "tcp"            # mooncake: tcp here, rdma on RoCE, ascend on HCCS
     hostname: str = "127.0.0.1"
     device_name: str = ""            # mooncake rdma NIC, e.g. mlx5_0
     metadata_server: str = "P2PHANDSHAKE"
+    kv_push: str = "layerwise"
 
     def __post_init__(self) -> None:
         if self.backend not in TRANSFER_BACKENDS:
             raise ValueError(f"transfer.backend must be one of {TRANSFER_BACKENDS}, got {self.backend!r}")
+        if self.kv_push not in KV_PUSH_MODES:
+            raise ValueError(f"transfer.kv_push must be one of {KV_PUSH_MODES}, got {self.kv_push!r}")
 
 
 @dataclass(frozen=True)

@@ -13,15 +13,23 @@ Prefill is causal, bottom-right aligned: the query of a chunk holds the last
 `q_len` tokens of a context of `seq_len` tokens (cached prefix + new tokens), so query
 row i sees context positions [0, seq_len - q_len + i].
 
-Backends: `ref` (pure torch, kernels/ref.py), `npu` (torch_npu), `cuda` (flash-attn),
-chosen by kernels.factory.get_backend.
+Linear layers go through the backend too: `prepare_linear` turns a loaded weight
+[out_features, in_features] once into the form `linear` multiplies fastest (the default:
+the weight itself, F.linear). A CPU's oneDNN wants its weights pre-packed, as an NPU's
+matmul wants its own tile format; packing per call would cost more than the matmul.
+
+Backends: `ref` (pure torch, kernels/ref.py), `cpu` (ref's attention on oneDNN-packed
+linears, kernels/cpu.py), `npu` (torch_npu), `cuda` (flash-attn), chosen by
+kernels.factory.get_backend.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -110,6 +118,16 @@ class Backend(ABC):
         """Attention of one query token per sequence over its whole cached context.
 
         query [num_seqs, num_heads, head_dim]; returns the same shape and dtype."""
+
+    def prepare_linear(self, weight: torch.Tensor) -> Any:
+        """The form `linear` takes this weight [out_features, in_features] in. Called once
+        per weight after loading; the caller drops its own reference when the result is
+        not `weight` itself. Default: the weight unchanged."""
+        return weight
+
+    def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., in_features] @ weight^T + bias, weight as prepare_linear returned it."""
+        return F.linear(x, weight, bias)
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -20,6 +20,7 @@ ENV_VAR = "PDMESH_KERNEL_BACKEND"
 logger = logging.getLogger(__name__)
 _BACKENDS: dict[str, tuple[str, str]] = {
     "ref": ("kernels.ref", "RefBackend"),
+    "cpu": ("kernels.cpu", "CpuBackend"),
     "npu": ("kernels.npu", "NpuBackend"),
     "cuda": ("kernels.cuda", "CudaBackend"),
 }
@@ -45,8 +46,8 @@ def available_backends() -> list[str]:
 def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> Backend:
     """The backend for `device`. $PDMESH_KERNEL_BACKEND, when set, overrides `name`.
 
-    "auto" picks npu or cuda by device type, else ref, and falls back to ref (with a
-    warning) when that module cannot be loaded. A forced name that cannot be loaded raises
+    "auto" picks npu, cuda or cpu by device type (ref on any other), and falls back to ref
+    (with a warning) when that module cannot be loaded. A forced name that cannot be loaded raises
     RuntimeError; an unknown name raises ValueError.
     """
     name = os.environ.get(ENV_VAR) or name
@@ -64,7 +65,7 @@ def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> Backe
 
 def _auto(device_str: str) -> Backend:
     device_type = device_str.split(":")[0]
-    if device_type not in ("npu", "cuda"):
+    if device_type not in ("npu", "cuda", "cpu"):
         return _instance("ref", device_str)
     try:
         return _instance(device_type, device_str)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import grpc
 
-from common.config import EngineConfig, NodeConfig, TimeoutConfig
+from common.config import EngineConfig, NodeConfig, TimeoutConfig, TransferConfig
 from common.engine import AsyncEngine, SamplingParams
 from common.engine.llm_engine import LLMEngine
 from common.transfer.fake import FakeTransfer
@@ -41,12 +41,12 @@ def _registered(engine: LLMEngine) -> tuple[FakeTransfer, KVLayout]:
 
 class PrefillPair:
     def __init__(self, model, decode_blocks: int = 64, prefill_blocks: int = 64, max_queue: int = 256,
-                 timeouts: TimeoutConfig = FAST):
+                 timeouts: TimeoutConfig = FAST, kv_push: str = "layerwise"):
         self.timeouts = timeouts
         self.decode_engine, self.prefill_engine = _engine(model, decode_blocks), _engine(model, prefill_blocks)
         self.decode_transfer, decode_layout = _registered(self.decode_engine)
         self.prefill_transfer, prefill_layout = _registered(self.prefill_engine)
-        mesh = SimpleNamespace(timeouts=timeouts)
+        mesh = SimpleNamespace(timeouts=timeouts, transfer=TransferConfig(backend="fake", kv_push=kv_push))
         self.prefill_node = SimpleNamespace(
             engine=AsyncEngine(self.prefill_engine), sender=KVSender(self.prefill_transfer, prefill_layout),
             executor=ThreadPoolExecutor(4), kv_store=None, layout=prefill_layout,

@@ -5,15 +5,25 @@ callers add requests and iterate their tokens.
         out.new_token_ids, out.finished, out.finish_reason
 
 One inbox, one outbox per request:
-- Inbox: every command (add, abort, commit, release, stats) is appended to one FIFO.
-  Whoever holds the engine lock drains it, in order: the step thread before each step,
-  or the caller at once when the step thread is idle (no step running), so an idle
-  engine answers without a thread hop. Commands never wait for a step to end.
+- Inbox: every command (add, abort, commit, release, stats) is appended to one FIFO and
+  runs in that order. Whoever holds the engine lock drains it: the step thread before
+  each step, or the caller at once when the step thread is idle (no step running), so an
+  idle engine answers without a thread hop.
+- Forward window: while a step's forward pass runs (LLMEngine.forward_window: the step
+  touches only its batch's sequences and their blocks' KV), the caller runs at once,
+  under the inbox lock, the commands at the head of the inbox that leave the batch alone
+  (`in_forward`: add, admit, commit or fail remote KV, release, stats; never abort); the
+  step thread closes the window only after they ran. So a remote prefill is admitted and
+  its Prefill call sent, and later its first token emitted, while a decode step runs;
+  its sequence joins the batch at the next step boundary. A command that may touch the
+  batch (abort), and every command queued behind it, waits for that boundary: a
+  command waits at most for the step in flight.
 - Outbox: every StepOutput the engine emits (a step's tokens, the first token a remote
   prefill commits, an abort's end) is appended to its request's Outbox by the thread that
-  drained it from the engine, while that thread holds the engine lock. An Outbox is a
-  thread-safe FIFO that wakes its consumer's event loop; so a request's outputs arrive
-  complete and in the order the engine produced them, however late the loop runs.
+  drained it from the engine, while that thread holds the engine lock (or, in the
+  forward window, the inbox lock). An Outbox is a thread-safe FIFO that wakes its
+  consumer's event loop; so a request's outputs arrive complete and in the order the
+  engine produced them, however late the loop runs.
 
 KV from elsewhere (`generate(..., remote=kv)`, a RemoteKV): the request is admitted
 into KV_REMOTE; the engine then awaits `kv.fill(block_ids, num_cached_tokens)` and
@@ -34,6 +44,7 @@ aborts the request the same way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -59,13 +70,15 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine | EngineConfig):
         self.engine = engine if isinstance(engine, LLMEngine) else LLMEngine(engine)
         self._inbox: deque[Callable[[], None]] = deque()   # Commands (tests queue plain callables)
-        self._wake = threading.Condition()       # guards _inbox and _stopped
+        self._wake = threading.Condition()       # guards _inbox, _stopped, _forward_open
         self._engine_lock = threading.Lock()     # held while commands or a step run
+        self._forward_open = False               # a step's forward pass runs: see the module doc
         self._outboxes: dict[str, Outbox] = {}
         self._remote: dict[str, RemoteKV] = {}
         self._fills: dict[str, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
         self.engine.scheduler.on_remote_admit = self._on_remote_admit
+        self.engine.forward_window = self._forward_window
         self._stopped = False
         self._stuck = False   # the last step scheduled nothing (no block free): wait for a command
         self._error: BaseException | None = None
@@ -78,15 +91,19 @@ class AsyncEngine:
         return cls(EngineConfig.from_kwargs(model, **engine_args))
 
     # ---- the inbox (caller side) ---------------------------------------------------
-    async def _run_on_engine(self, fn: Callable[[], Any]) -> Any:
-        """Queue fn in the inbox and return its result once it ran (at once when the step
-        thread is idle). EngineDeadError once the engine is shut down or dead."""
+    async def _run_on_engine(self, fn: Callable[[], Any], in_forward: bool = False) -> Any:
+        """Queue fn in the inbox and return its result once it ran: at once when the step
+        thread is idle, or when fn leaves the running batch alone (in_forward: it calls
+        only what LLMEngine allows inside forward_window) and a forward pass runs.
+        EngineDeadError once the engine is shut down or dead."""
         if self._error is not None:
             raise EngineDeadError(str(self._error))
-        command = Command(fn, asyncio.get_running_loop())
+        command = Command(fn, asyncio.get_running_loop(), in_forward)
         with self._wake:
             if not self._engine_lock.acquire(blocking=False):  # a step runs: queue behind it
                 self._submit(command)
+                if self._forward_open:
+                    self._drain(in_forward=True)
             else:  # idle: drain it here, in order, without waking the step thread for it
                 try:
                     self._submit(command, wake=False)
@@ -107,16 +124,42 @@ class AsyncEngine:
             if wake:
                 self._wake.notify()
 
-    def _drain(self) -> None:
-        """Engine lock held: run every queued command in order, delivering what each emits."""
+    def _drain(self, in_forward: bool = False) -> None:
+        """Engine lock held: run every queued command in order, delivering what each emits.
+        in_forward (inbox lock held, forward window open): only those at the head of the
+        inbox that may run in the window."""
         while True:
             with self._wake:
-                if not self._inbox:
+                if not self._inbox or (in_forward and not getattr(self._inbox[0], "in_forward", False)):
                     return
                 command = self._inbox.popleft()
                 self._stuck = False   # a command may have made room: step again
             command()
             self._deliver(self.engine.take_outputs())
+
+    @contextlib.contextmanager
+    def _forward_window(self):
+        """Step thread, around a step's forward pass (LLMEngine.forward_window): callers may
+        run in_forward commands meanwhile; closing waits for one that is running. Commands
+        queued just before it opened are run on their caller's loop."""
+        with self._wake:
+            self._forward_open = True
+            head = self._inbox[0] if self._inbox else None
+        if getattr(head, "in_forward", False):
+            try:
+                head.loop.call_soon_threadsafe(self._drain_in_window)
+            except RuntimeError:   # its loop is closed: the next boundary drains it
+                pass
+        try:
+            yield
+        finally:
+            with self._wake:
+                self._forward_open = False
+
+    def _drain_in_window(self) -> None:
+        with self._wake:
+            if self._forward_open:
+                self._drain(in_forward=True)
 
     def _deliver(self, outs: list[StepOutput]) -> None:
         for out in outs:
@@ -194,7 +237,7 @@ class AsyncEngine:
         finished = False
         try:
             await self._run_on_engine(lambda: self._add(request_id, prompt_token_ids, params,
-                                                        remote is not None, add_options))
+                                                        remote is not None, add_options), in_forward=True)
             while True:
                 item = await box.get()
                 if isinstance(item, BaseException):
@@ -215,7 +258,7 @@ class AsyncEngine:
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
              kv_remote: bool, add_options: dict[str, Any]) -> None:
         """Engine side of generate: queue the request; a remote one is admitted at once
-        when no step work is pending (its fill starts without waiting for a step)."""
+        unless a step must admit it (its fill starts without waiting for a step)."""
         self.engine.add_request(request_id, prompt_token_ids, params, kv_remote=kv_remote,
                                 **add_options)
         if kv_remote:
@@ -234,7 +277,7 @@ class AsyncEngine:
         raise EngineDeadError(f"prefill of {request_id} ended without a token")
 
     async def release(self, request_id: str) -> bool:
-        return await self._run_on_engine(lambda: self.engine.release(request_id))
+        return await self._run_on_engine(lambda: self.engine.release(request_id), in_forward=True)
 
     async def abort(self, request_id: str) -> bool:
         """Abort and free the request's blocks (or quarantine them while a remote fill is
@@ -277,7 +320,7 @@ class AsyncEngine:
                 log.exception("waiting for the remote writer of %s failed", request_id)
                 return  # the blocks stay quarantined: better leaked than overwritten
             try:
-                await self._run_on_engine(lambda: self.engine.release_quarantine(request_id))
+                await self._run_on_engine(lambda: self.engine.release_quarantine(request_id), in_forward=True)
             except EngineDeadError:
                 pass
         self._spawn(free())
@@ -324,25 +367,26 @@ class AsyncEngine:
                 return  # the caller left: _abort_safely settles it
             log.warning("remote KV of %s failed (%s); computing it here", request_id, e)
             settled = await remote.cancel()
-            await self._run_on_engine(lambda: self.engine.fail_remote(request_id, settled))
+            await self._run_on_engine(lambda: self.engine.fail_remote(request_id, settled), in_forward=True)
             if not settled:
                 self._free_when_settled(request_id, remote)
             return
         if request_id in self._remote:
-            await self._run_on_engine(lambda: self._commit(request_id, filled))
+            await self._run_on_engine(lambda: self._commit(request_id, filled), in_forward=True)
 
     def _commit(self, request_id: str, filled: KVFilled) -> None:
-        if filled.first_token is not None:
-            self.engine.commit_remote(request_id, filled.first_token)
-            return
+        """Engine side (in_forward): the first token is emitted here, at once."""
         try:
-            self.engine.commit_loaded(request_id, filled.num_tokens)
-        except ValueError as e:
-            log.error("KV loaded for %s is unusable (%s); computing it here", request_id, e)
+            if filled.first_token is not None:
+                self.engine.commit_remote(request_id, filled.first_token)
+            else:
+                self.engine.commit_loaded(request_id, filled.num_tokens)
+        except ValueError as e:   # the fill answered, so its writes have ended
+            log.error("remote KV of %s is unusable (%s); computing it here", request_id, e)
             self.engine.fail_remote(request_id, writer_settled=True)
 
     async def stats(self) -> dict[str, int]:
-        return await self._run_on_engine(self.engine.stats)
+        return await self._run_on_engine(self.engine.stats, in_forward=True)
 
     # ---- lifetime ------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -15,25 +15,35 @@ The narrow interface services drive it through:
   fail_remote(writer_settled) to compute it here (in fresh blocks when the writer has not
   confirmed it stopped: the old ones are quarantined until release_quarantine).
 - prefill node: add_request(hold_blocks=True, on_computed=cb): cb(seq, start, end) after
-  each step that computed tokens [start, end); finished, the blocks stay HELD (the KV is
-  being pushed) until release(). With kv_remote=True as well, admission parks it in
-  KV_REMOTE while the kv-store fills leading blocks; commit_loaded(n) makes it compute the
-  prompt from token n on.
+  each step that computed tokens [start, end); when cb has an `on_layer` attribute, also
+  cb.on_layer(seq, layer, start, end) inside the step's forward pass, right after each
+  layer wrote that KV (common/engine/model_runner.py; layerwise KV push); finished, the
+  blocks stay HELD (the KV is being pushed) until release(). With kv_remote=True as
+  well, admission parks it in KV_REMOTE while the kv-store fills leading blocks;
+  commit_loaded(n) makes it compute the prompt from token n on.
 - abort(request_id, writer_settled=False) while a remote fill is unconfirmed quarantines.
 
-Not thread-safe: one thread at a time calls into it (AsyncEngine owns that).
+Not thread-safe: one thread at a time calls into it (AsyncEngine owns that). One
+exception: `forward_window()` (a context manager, nullcontext by default) is entered
+around each step's forward pass, during which the step reads only its scheduled
+sequences and writes only the KV of their blocks; inside it another thread may call
+what leaves those sequences and their blocks alone (add_request, admit_remote,
+commit_remote, commit_loaded, fail_remote, release, release_quarantine, stats,
+take_outputs), never abort or step.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 
 from common.config import EngineConfig
+from common.engine import cpu_budget
 from common.engine.block_manager import BlockManager
 from common.engine.model_runner import ModelRunner
 from common.engine.sampler import compute_logprobs, sample
@@ -76,8 +86,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        cpu_budget.apply(config.cpu_cores, config.num_threads)
         self.device = torch.device(config.device)
         self.model_config = mcfg = load_model_config(config.model)
         self.backend = get_backend(config.kernel_backend, self.device)
@@ -101,6 +110,7 @@ class LLMEngine:
         self.model = CausalLM(mcfg, self.backend, self.dtype, max_positions=self.max_model_len)
         self.model.load_weights(config.model)
         self.model.to(self.device)
+        self.model.prepare_linears()
         self.model_id = config.model_id or Path(config.model).resolve().name
         self.kv_cache = torch.zeros(mcfg.num_layers, 2, self.num_blocks, self.block_size,
                                     mcfg.num_kv_heads, mcfg.head_dim, dtype=self.dtype,
@@ -119,6 +129,7 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}     # live: not finished, not aborted
         self._outputs: list[StepOutput] = []
         self.last_step_empty = False
+        self.forward_window: Callable[[], ContextManager[None]] = contextlib.nullcontext
         log.info("engine ready: %s on %s/%s, %s, %d blocks x %d tokens, max_model_len %d (%.1fs)",
                  self.model_id, self.device, self.backend.name, self.dtype, self.num_blocks,
                  self.block_size, self.max_model_len, time.perf_counter() - start)
@@ -221,14 +232,10 @@ class LLMEngine:
         return True
 
     def admit_remote(self) -> None:
-        """Admit waiting kv_remote sequences now (on_remote_admit is told), when that is
-        all a step would do: nothing running or ready, every waiting sequence kv_remote.
-        Otherwise the next step admits them."""
-        sched = self.scheduler
-        if sched.running or sched.ready or not all(seq.kv_remote for seq in sched.waiting):
-            return
-        out = sched.schedule()
-        assert out.is_empty, "a schedule with nothing running admits remote sequences only"
+        """Admit the kv_remote sequences at the head of the waiting queue now, without a
+        step (on_remote_admit is told; Scheduler.admit_remote says when they must wait for
+        a step instead). Allowed inside forward_window."""
+        self.scheduler.admit_remote()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -247,7 +254,8 @@ class LLMEngine:
         self.last_step_empty = sched.is_empty and not sched.preempted
         if sched.is_empty:
             return self.take_outputs()
-        logits, sample_seqs = self.runner.execute(sched)
+        with self.forward_window():
+            logits, sample_seqs = self.runner.execute(sched)
         for seq in sched.decode_seqs:
             self._computed(seq, 1)
         for seq, n in zip(sched.prefill_seqs, sched.prefill_lens):

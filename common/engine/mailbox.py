@@ -53,10 +53,11 @@ class Outbox:
 
 class Command:
     """fn to run on whichever thread holds the engine; its result or exception settles
-    `done` on the caller's loop."""
+    `done` on the caller's loop. in_forward: fn leaves the running batch alone, so it may
+    run while a step's forward pass does."""
 
-    def __init__(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop):
-        self.fn, self.loop = fn, loop
+    def __init__(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop, in_forward: bool = False):
+        self.fn, self.loop, self.in_forward = fn, loop, in_forward
         self.done: asyncio.Future = loop.create_future()
         self.queued_at = time.monotonic()   # how long it has waited: the engine's stall watch
 

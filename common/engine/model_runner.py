@@ -5,8 +5,16 @@ Token packing of a step:
     [ d_0 d_1 ... d_{D-1} | p_0 chunk | p_1 chunk | ... ]
       one token per decode   consecutive tokens of each prefill chunk
 A prefill chunk samples only when it reaches the end of its sequence's tokens.
+
+Layer hooks: a prefill sequence whose `on_computed` has an `on_layer` attribute gets
+`on_computed.on_layer(seq, layer, start, end)` on the step thread inside the forward pass,
+right after layer `layer` wrote the KV of its chunk's tokens [start, end) (in layer order,
+every layer, before the step's `on_computed(seq, start, end)`); on a device the runner
+first waits for the kernels queued so far, so the callee may read those bytes at once.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -81,9 +89,30 @@ class ModelRunner:
         """Run the step; returns float32 logits [len(sample_seqs), vocab] (None if no
         sequence samples this step) and the sequences they belong to."""
         input_ids, batch, rows, seqs = self.prepare(sched)
-        hidden = self.model(input_ids, batch, self.kv_cache)
+        hidden = self.model(input_ids, batch, self.kv_cache, self._layer_hook(sched))
         if not rows:
             return None, []
         if len(rows) != hidden.shape[0]:
             hidden = hidden[torch.tensor(rows, device=self.device)]
         return self.model.logits(hidden), seqs
+
+    def _layer_hook(self, sched: SchedulerOutput) -> Callable[[int], None] | None:
+        """The forward pass's on_layer: each prefill sequence's on_computed.on_layer for its
+        chunk; None when no sequence of the step has one."""
+        hooks = []
+        for seq, n in zip(sched.prefill_seqs, sched.prefill_lens):
+            on_layer = getattr(seq.on_computed, "on_layer", None)
+            if on_layer is not None:
+                start = seq.num_computed_tokens
+                hooks.append((on_layer, seq, start, start + n))
+        if not hooks:
+            return None
+        device = self.device if self.device.type != "cpu" else None
+
+        def on_layer(layer: int) -> None:
+            if device is not None:
+                torch.accelerator.synchronize(device)
+            for hook, seq, start, end in hooks:
+                hook(seq, layer, start, end)
+
+        return on_layer

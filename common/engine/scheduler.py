@@ -11,7 +11,8 @@ prompt + generated tokens). A sequence whose blocks are the source of a KV push
 seats (`max_num_seqs`), budget and blocks last; admission allocates blocks for the whole
 prompt, prefix-cache hits first. A sequence with `kv_remote` set is admitted into
 KV_REMOTE instead (`on_remote_admit` is told) and waits there, holding its seat, until
-`kv_landed` or `kv_failed`.
+`kv_landed` or `kv_failed`; `admit_remote` admits those at the head of the queue without
+waiting for a step.
 
 Blocks a remote writer may still write are QUARANTINED: kept referenced (so never handed
 out) under the request id until `release_quarantine`.
@@ -136,11 +137,7 @@ class Scheduler:
                 seq.first_scheduled_time = time.perf_counter()
             if seq.kv_remote:
                 self.waiting.popleft()
-                seq.num_cached_tokens = seq.num_computed_tokens
-                advance(seq, S.KV_REMOTE)
-                self.remote[seq.request_id] = seq
-                if self.on_remote_admit is not None:
-                    self.on_remote_admit(seq)
+                self._enter_remote(seq)
                 continue
             if not self.enable_chunked_prefill and len(seq) - seq.num_computed_tokens > budget:
                 bm.free(seq)
@@ -153,6 +150,33 @@ class Scheduler:
             self.running.append(seq)
             budget -= self._take(out, seq, budget)
         return out
+
+    def admit_remote(self) -> None:
+        """Admit the kv_remote sequences at the head of the waiting queue into KV_REMOTE now,
+        in order, without a step (their KV is computed elsewhere: no step budget). Stops at
+        the first that is not kv_remote (FIFO: a step admits it), when the seats are taken,
+        or when its blocks would not leave one free block per running or ready sequence
+        (their next tokens come first, as in a step). Touches no running sequence, so it may
+        run while a step's forward pass does (common/engine/async_engine.py)."""
+        bm = self.block_manager
+        while self.waiting and self.waiting[0].kv_remote and self.num_seats_taken < self.max_num_seqs:
+            seq = self.waiting[0]
+            reserve = len(self.running) + len(self.ready)
+            if bm.num_blocks_for(len(seq)) + reserve > bm.num_free_blocks or not bm.allocate(seq):
+                return
+            self.waiting.popleft()
+            advance(seq, S.ALLOCATED)
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.perf_counter()
+            self._enter_remote(seq)
+
+    def _enter_remote(self, seq: Sequence) -> None:
+        """ALLOCATED -> KV_REMOTE; on_remote_admit is told."""
+        seq.num_cached_tokens = seq.num_computed_tokens
+        advance(seq, S.KV_REMOTE)
+        self.remote[seq.request_id] = seq
+        if self.on_remote_admit is not None:
+            self.on_remote_admit(seq)
 
     def _victim(self, i: int) -> Sequence | None:
         """The newest running sequence at index >= i that may be preempted."""

@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Weights are fused at load time: q/k/v into one `qkv` matrix, gate/up into one `gate_up`,
-so a layer runs four matmuls. Tokens of a step arrive packed as
+so a layer runs four matmuls, each through the kernel backend's `linear` on the weight as
+its `prepare_linear` returned it (`prepare_linears`, once, after loading and moving). Tokens of a step arrive packed as
 [decode tokens | prefill chunks]; attention is split accordingly (kernels/api.py).
 
 KV cache: one tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim];
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +59,20 @@ class DecoderLayer(nn.Module):
         self.q_norm = _param(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
         self.k_norm = _param(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
+        self.linears: dict[str, object] = {}   # name -> prepared weight (prepare_linears)
+
+    LINEAR_NAMES = ("qkv", "o", "gate_up", "down")
+
+    def prepare_linears(self, backend: Backend) -> None:
+        """Hand each matmul weight to backend.prepare_linear; where it returns another
+        object, the dense parameter's storage is released (no second copy is kept)."""
+        for name in self.LINEAR_NAMES:
+            param = getattr(self, name)
+            dense = param.data      # one tensor object: .data makes a new one at each access
+            prepared = backend.prepare_linear(dense)
+            self.linears[name] = prepared
+            if prepared is not dense:
+                param.data = dense.new_empty(0)
 
     def weight_slots(self, prefix: str) -> dict[str, tuple[nn.Parameter, int, int]]:
         """HF tensor name -> (our parameter, first row, end row)."""
@@ -92,7 +108,8 @@ class DecoderLayer(nn.Module):
                   v_cache: torch.Tensor, backend: Backend, cos: torch.Tensor,
                   sin: torch.Tensor) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
-        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        linears = self.linears
+        qkv = backend.linear(x, linears["qkv"], self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, cfg.num_heads, cfg.head_dim)
         k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
@@ -112,11 +129,12 @@ class DecoderLayer(nn.Module):
                 backend.decode(q[:nd], k_cache, v_cache, batch.decode, self.scale),
                 backend.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, batch.prefill, self.scale),
             ])
-        return F.linear(out.reshape(n, self.q_size), self.o, self.o_bias)
+        return backend.linear(out.reshape(n, self.q_size), linears["o"], self.o_bias)
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down, self.down_bias)
+    def mlp(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
+        linears = self.linears
+        gate, up = backend.linear(x, linears["gate_up"], self.gate_up_bias).chunk(2, dim=-1)
+        return backend.linear(F.silu(gate) * up, linears["down"], self.down_bias)
 
 
 class CausalLM(nn.Module):
@@ -136,6 +154,7 @@ class CausalLM(nn.Module):
         cos, sin = rope_cos_sin(inv_freq, max_positions or cfg.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.lm_linear = None    # lm_head as the backend multiplies it (prepare_linears)
 
     def weight_slots(self) -> dict[str, tuple[nn.Parameter, int, int]]:
         slots = {"model.embed_tokens.weight": (self.embed, 0, self.cfg.vocab_size),
@@ -170,17 +189,40 @@ class CausalLM(nn.Module):
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"{model_dir}: checkpoint is missing {len(missing)} tensor(s): {shown}")
 
-    def forward(self, input_ids: torch.Tensor, batch: StepBatch,
-                kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, batch: StepBatch, kv_cache: torch.Tensor,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """on_layer(i), when given, is called on this thread right after layer i's attention
+        wrote the step's KV into kv_cache[i] (before its MLP and the layers above): a hook
+        for pushing KV layer by layer. On a device the kernels may still be queued then."""
+        if self.lm_linear is None:
+            raise RuntimeError("CausalLM.prepare_linears() must run after loading, before forward")
         backend, eps = self.backend, self.cfg.rms_norm_eps
         cos, sin = self.rope_cos, self.rope_sin
         h = F.embedding(input_ids, self.embed)
         for i, layer in enumerate(self.layers):
             attn = layer.attention(backend.rms_norm(h, layer.input_norm, eps), batch,
                                    kv_cache[i, 0], kv_cache[i, 1], backend, cos, sin)
+            if on_layer is not None:
+                on_layer(i)
             h = h + attn
-            h = h + layer.mlp(backend.rms_norm(h, layer.post_attn_norm, eps))
+            h = h + layer.mlp(backend.rms_norm(h, layer.post_attn_norm, eps), backend)
         return backend.rms_norm(h, self.norm, eps)
 
+    def prepare_linears(self) -> None:
+        """After load_weights and .to(device), before the first forward: every layer's
+        matmul weights (and an untied lm_head) in the backend's prepared form. Once only:
+        a packed parameter's dense storage is gone."""
+        if self.lm_linear is not None:
+            raise RuntimeError("prepare_linears() was already called")
+        for layer in self.layers:
+            layer.prepare_linears(self.backend)
+        if self.cfg.tie_word_embeddings:
+            self.lm_linear = self.lm_head     # the embedding lookup needs the dense matrix
+        else:
+            dense = self.lm_head.data
+            self.lm_linear = self.backend.prepare_linear(dense)
+            if self.lm_linear is not dense:
+                self.lm_head.data = dense.new_empty(0)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.backend.linear(hidden, self.lm_linear, None).float()

@@ -8,8 +8,9 @@
                                                      "prompt_token_ids", optional "max_tokens"
 
 Token ids are drawn from [FIRST_ID, vocab_size): the lowest ids are the tiny models'
-special tokens. Every request is greedy and runs its max_tokens (ignore_eos), so two
-servers given the same requests make the same number of tokens.
+special tokens. Every request is greedy and, unless it says otherwise (ignore_eos False:
+a JSONL line's "ignore_eos": false), runs its max_tokens, so two servers given the same
+requests make the same number of tokens.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class BenchRequest:
     prompt_token_ids: tuple[int, ...] = ()
     prompt: str = ""                       # text instead of ids (the server tokenizes it)
     group: int = field(default=-1, compare=False)   # shared-prefix group, -1 if none
+    ignore_eos: bool = True                # False: the request may stop early at EOS
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -76,8 +78,9 @@ def shared_prefix_requests(num_groups: int, prompts_per_group: int, system_len: 
 
 
 def jsonl_requests(path: str | Path, output_len: int, num_prompts: int = 0) -> list[BenchRequest]:
-    """The file's requests, in order (the first num_prompts when > 0). ValueError naming
-    the line for one with neither "prompt" nor "prompt_token_ids"."""
+    """The file's requests, in order (the first num_prompts when > 0); a line's
+    "ignore_eos" (default true) is kept. ValueError naming the line for one with neither
+    "prompt" nor "prompt_token_ids"."""
     requests = []
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
@@ -87,10 +90,12 @@ def jsonl_requests(path: str | Path, output_len: int, num_prompts: int = 0) -> l
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{number}: not JSON ({e.msg})") from None
         max_tokens = int(item.get("max_tokens") or output_len)
+        ignore_eos = bool(item.get("ignore_eos", True))
         if isinstance(item.get("prompt_token_ids"), list) and item["prompt_token_ids"]:
-            requests.append(BenchRequest(max_tokens, prompt_token_ids=tuple(int(i) for i in item["prompt_token_ids"])))
+            requests.append(BenchRequest(max_tokens, prompt_token_ids=tuple(int(i) for i in item["prompt_token_ids"]),
+                                         ignore_eos=ignore_eos))
         elif isinstance(item.get("prompt"), str) and item["prompt"]:
-            requests.append(BenchRequest(max_tokens, prompt=item["prompt"]))
+            requests.append(BenchRequest(max_tokens, prompt=item["prompt"], ignore_eos=ignore_eos))
         else:
             raise ValueError(f'{path}:{number}: needs a non-empty "prompt" (text) or "prompt_token_ids" (list)')
         if num_prompts and len(requests) == num_prompts:

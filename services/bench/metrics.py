@@ -27,6 +27,7 @@ class RequestResult:
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     error: str = ""                 # "" = completed; else the status code name
+    output_token_ids: list[int] = field(default_factory=list)   # as streamed (empty if the server sent none)
 
     @property
     def ok(self) -> bool:

@@ -3,7 +3,14 @@
 Order: meta-server -> kv-store (when configured) -> engine nodes -> gateway. Port 0 in the config means "pick a free
 port"; the choice is passed to each process with --port / --meta. Each start waits for
 grpc.health.v1 SERVING (and, for engine nodes, for their registration at the
-meta-server) and prints one status line per service. Credentials reach the processes in
+meta-server) and prints one status line per service, with its cores.
+
+Cores (common/engine/cpu_budget.plan_cores): the engine nodes split the cores this
+process may use, one OpenMP thread per core, unless engine.cpu_cores names theirs;
+meta-server, kv-store and gateway run on the cores left over, or on all when none are.
+Each process starts pinned (and an engine with OMP_NUM_THREADS and the OpenMP wait policy
+in its environment, where the environment does not set them already); plan_cores=False
+leaves every process on every core. Credentials reach the processes in
 the environment (`env`: variables naming files, services/security/credentials.py); the
 launcher itself calls as the operator (admin token, admin.crt with TLS). `stop` sends SIGTERM tier by tier
 (gateway, engine nodes, kv-store, meta-servers) and SIGKILL to whatever outlives the grace
@@ -23,6 +30,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import MeshConfig
+from common.engine import cpu_budget
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
 from services.node.grpc_util import free_port, port_in_use
 
@@ -39,10 +47,15 @@ class Service:
     log_path: Path
     process: subprocess.Popen | None = None
     env: dict[str, str] = field(default_factory=dict)   # set for this service's process only
+    cpu: cpu_budget.CoreShare | None = None
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    def status(self, what: str) -> str:
+        cores = f", {self.cpu.describe()}" if self.cpu is not None else ""
+        return f"{self.name:<12} {self.role:<11} {what} at {self.address} (pid {self.process.pid}{cores})"
 
 
 def wait_healthy(address: str, timeout_s: float, process: subprocess.Popen | None = None,
@@ -72,6 +85,7 @@ class MeshProcesses:
     mesh: MeshConfig
     log_dir: Path
     quiet: bool = False
+    plan_cores: bool = True             # split the host's cores (module docstring)
     services: dict[str, Service] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)   # set for every service's process
 
@@ -108,6 +122,21 @@ class MeshProcesses:
         gw_port = m.gateway.port or free_port(m.gateway.host)
         self.services["gateway"] = Service("gateway", "gateway", m.gateway.host, gw_port, [],
                                            self.log_dir / "gateway.log")
+        self._plan_cores()
+
+    def _plan_cores(self) -> None:
+        available = cpu_budget.allowed_cpus()
+        engine = self.mesh.engine_config()
+        nodes = [n.node_id for n in self.mesh.nodes]
+        control = [name for name in self.services if name not in nodes]
+        explicit = {n: engine.cpu_cores for n in nodes} if engine.cpu_cores else {}
+        if self.plan_cores and available:
+            plan = cpu_budget.plan_cores(available, nodes, control, explicit, engine.num_threads)
+        else:
+            plan = {name: cpu_budget.CoreShare(engine.cpu_cores, True, by_config=True) if name in explicit
+                    else cpu_budget.CoreShare(available, False) for name in self.services}
+        for name, share in plan.items():
+            self.services[name].cpu = share
 
     def _check_ports(self) -> None:
         """Fixed ports must be free: a stranger there would answer our health checks."""
@@ -125,7 +154,13 @@ class MeshProcesses:
                "--port", str(svc.port), "--meta", ",".join(self.meta_addresses), *svc.args]
         if self.kv_store_address:
             cmd += ["--kv-store", self.kv_store_address]
-        env = {**os.environ, **self.env, **svc.env,
+        cpu = svc.cpu
+        engine_env = {}
+        if cpu is not None and svc.role in ("prefill", "decode", "both") and (cpu.pinned or cpu.num_threads):
+            engine_env = cpu_budget.openmp_env(cpu.num_threads)
+        if cpu is not None and cpu.pinned:
+            cmd = cpu_budget.pinned_command(cmd, cpu.cores)
+        env = {**engine_env, **os.environ, **self.env, **svc.env,
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         log = open(svc.log_path, "ab")
         svc.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -206,12 +241,12 @@ class MeshProcesses:
             for name in order:
                 svc = self.services[name]
                 self._wait_healthy(svc, timeout_s)
-                self._say(f"{svc.name:<12} {svc.role:<11} healthy at {svc.address} (pid {svc.process.pid})")
+                self._say(svc.status("healthy"))
             self._wait_registered([n.node_id for n in self.mesh.nodes], timeout_s)
             gw = self.services["gateway"]
             self._spawn(gw)
             self._wait_healthy(gw, timeout_s)
-            self._say(f"{gw.name:<12} {gw.role:<11} healthy at {gw.address} (pid {gw.process.pid})")
+            self._say(gw.status("healthy"))
         except BaseException as e:
             self.stop()
             logs = "\n".join(f"  {s.log_path}" for s in self.services.values())
@@ -230,7 +265,7 @@ class MeshProcesses:
             svc.env = dict(env)
         self._spawn(svc)
         self._wait_healthy(svc, timeout_s)
-        self._say(f"{svc.name:<12} {svc.role:<11} restarted at {svc.address} (pid {svc.process.pid})")
+        self._say(svc.status("restarted"))
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.services[name].process

@@ -1,13 +1,21 @@
-"""`pdmesh up --config FILE [--log-dir DIR] [--demo]`: a whole mesh on this host.
+"""`pdmesh up --config FILE [--log-dir DIR] [--demo] [--no-core-plan]`: a whole mesh on this host.
 
 Lifecycle:
   load the config -> make the built-in tiny model when the config names `tiny_arch` and
   the model folder is missing -> start meta-server, engine nodes, gateway as separate
-  processes (services.cli.launcher; one status line each, with its pid) -> print exactly one
-  line `gateway ready at HOST:PORT` -> supervise until Ctrl-C or SIGTERM (with --demo:
+  processes (services.cli.launcher; one status line each, with its pid and cores) -> print
+  exactly one line `gateway ready at HOST:PORT` -> supervise until Ctrl-C or SIGTERM (with --demo:
   stream a few built-in prompts through the gateway concurrently and print text and
   timings instead) -> stop every service (SIGTERM, SIGKILL after a grace period), a
   status line as each stops.
+
+Cores: each engine node gets its share of this host's cores (the ones `pdmesh up` may run
+on), pinned, one OpenMP thread per core, OMP_WAIT_POLICY=PASSIVE (where the environment
+sets neither); meta-server, kv-store and gateway run on the cores left over, or share
+them all when the engines take every core (1 prefill + 1 decode node on 2 cores: one
+core each; one colocated node: both). `engine.cpu_cores` in the config pins every engine
+node to those cores instead; --no-core-plan pins nothing. The status lines say who runs
+where.
 
 Credentials: the secrets the config (`security:`, gateway.api_keys_file) and the
 environment do not give are made fresh for this mesh under LOG_DIR/credentials (0600 files:
@@ -47,6 +55,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="send a few prompts through the gateway, print timings, shut down")
     p.add_argument("--max-tokens", type=int, default=48, help="--demo: tokens per request")
     p.add_argument("--start-timeout", type=float, default=120.0, help="seconds per service")
+    p.add_argument("--no-core-plan", action="store_true",
+                   help="leave every service on every core with torch's default threads (a host shared "
+                        "with other work, where a pinned engine could not move off a busy core)")
     return p
 
 
@@ -141,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
     from common.config import load_mesh_config
     try:
         mesh_cfg = load_mesh_config(args.config)
+        mesh_cfg.engine_config()   # engine fields valid (cpu_cores among them) before anything starts
         ensure_model(mesh_cfg)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -148,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     from services.cli.launcher import MeshProcesses
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdmesh-up-"))
     print(f"logs in {log_dir}", flush=True)
-    mesh = MeshProcesses(args.config, mesh_cfg, log_dir)
+    mesh = MeshProcesses(args.config, mesh_cfg, log_dir, plan_cores=not args.no_core_plan)
     interrupts = _Interrupts()
     code = 0
     recorded: dict[str, str] = {}

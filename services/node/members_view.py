@@ -16,6 +16,9 @@ Bounds (all from the membership TTL in for_mesh):
                  whose fetch began after the call did, and answers from it. So a member
                  that registered before the call (a decode node that was just routed
                  to) is found, never refused from a stale list.
+  refresh ahead  a hit on a list older than max_age_s / 2 starts a fetch in the background
+                 (not awaited): under steady traffic the list is renewed before it
+                 expires, so no request waits for ListMembers on its path.
   single flight  one ListMembers at a time per view, at least min_interval_s apart,
                  shared by every caller waiting for it: a flood of misses (forged
                  requests) costs the meta-server at most 1/min_interval_s calls a second.
@@ -89,9 +92,12 @@ class MembersView:
         """A live member for which accept(member) holds, else None (see the module doc for
         which list answers). Raises MembersUnavailable."""
         since = self.clock()
-        if since - self._fetched_at <= self.max_age_s:
+        age = since - self._fetched_at
+        if age <= self.max_age_s:
             member = self._match(accept)
             if member is not None:
+                if age > self.max_age_s / 2:
+                    self._refresh_ahead(since)
                 return member
         try:
             await asyncio.wait_for(self._fetched_since(since), self.fetch_timeout_s)
@@ -123,10 +129,21 @@ class MembersView:
             if delay > 0:
                 await asyncio.sleep(delay)
                 continue                          # another caller may have started one meanwhile
-            started = self._last_start = self.clock()
-            task = asyncio.get_running_loop().create_task(self._run_fetch(started))
-            task.add_done_callback(_retrieve)     # its waiters may all have timed out
-            self._fetch = (task, started)
+            self._start_fetch()
+
+    def _refresh_ahead(self, now: float) -> None:
+        """Start a fetch nobody waits for, unless one is in flight or the last began less
+        than min_interval_s ago."""
+        if self._fetch is not None and not self._fetch[0].done():
+            return
+        if now - self._last_start >= self.min_interval_s:
+            self._start_fetch()
+
+    def _start_fetch(self) -> None:
+        started = self._last_start = self.clock()
+        task = asyncio.get_running_loop().create_task(self._run_fetch(started))
+        task.add_done_callback(_retrieve)     # its waiters may all have timed out
+        self._fetch = (task, started)
 
     async def _run_fetch(self, started: float) -> None:
         members = tuple(await self.source())

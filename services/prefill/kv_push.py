@@ -1,92 +1,170 @@
-"""Pushes a prefill's KV into the decode node's blocks chunk by chunk.
+"""Pushes a prefill's KV into the decode node's blocks, layer by layer (default) or chunk
+by chunk, while the prompt is still being computed.
 
-    engine step computes tokens [start, end) --on_computed (step thread)--> the blocks now
-    complete are queued --> the event loop submits one batched write each, on the executor.
+    layerwise: forward pass of a step, layer l wrote the chunk's KV --on_layer (step
+               thread)--> one batched write of layer l of the chunk's complete blocks,
+               submitted to the executor at once: it runs while layers l+1.. compute
+    chunk:     the step computed tokens [start, end) --on_computed (step thread, after
+               the step)--> one batched write of every layer of those blocks, submitted
+               to the executor at once
+
+The step thread never waits for a write, nor for the event loop: it only submits. The
+event loop sees the writes (`writes`, asyncio futures) when it looks (finish, stop,
+settled, settle). `stopped` is set under the lock that submission holds, so once it is
+set nothing more is submitted.
 
 Block i of the prompt is sent once it is full and computed, or at the end of the prompt
 for the last, partial block, of which only the prompt's token slots are written (the
 decode node writes the rest itself). Blocks the destination already holds (its
-prefix-cache hit, `num_cached_tokens`) are never sent. No write starts past the request's
-deadline or after `stop` (checked on the executor thread, right before the write), and
-each ends within min(timeouts.transfer_s, what remains of it).
+prefix-cache hit, `num_cached_tokens`) are never sent. Layerwise, a chunk's blocks are
+fixed at its layer 0 and each layer of them is one write; when the engine calls no layer
+hook for a chunk (an engine without one), on_computed writes its blocks per chunk. No
+write starts past the request's deadline or after `stop` (checked on the executor thread,
+right before the write), and each ends within min(timeouts.transfer_s, what remains of
+it).
 
-`finish` submits what is queued, waits for every write and raises the first
-TransferError; `stop` (cancel, failure) submits nothing more and waits up to twice the
-transfer timeout (the longest a transfer call runs) for the writes in flight: True when
-all of them ended (settled). `settle` waits for them
-however long they take (before the source blocks may be freed).
+`finish` waits for every write (every layer of every block) and raises the first
+TransferError, so the prefill answers only once all of them landed; `stop` (cancel,
+failure) submits nothing more and waits up to twice the transfer timeout (the longest a
+transfer call runs) for the writes in flight: True when all of them ended (settled).
+`settle` waits for them however long they take (before the source blocks may be freed).
+
+Mode: `layerwise` (True, transfer.kv_push "layerwise", the default) or per chunk (False,
+"chunk").
 """
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
-from concurrent.futures import Executor
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
 
 from common.transfer.base import TransferError
 from common.transfer.kv_writes import KVSender
 from common.transfer.layout import KVLayout
 
 
+
+class LayerHooks:
+    """An engine's on_computed with a layer hook (common/engine/model_runner.py):
+    `hooks(seq, start, end)` after the step, `hooks.on_layer(seq, layer, start, end)`
+    inside it."""
+
+    __slots__ = ("after_step", "on_layer")
+
+    def __init__(self, after_step: Callable[..., None], on_layer: Callable[..., None]):
+        self.after_step, self.on_layer = after_step, on_layer
+
+    def __call__(self, seq, start: int, end: int) -> None:
+        self.after_step(seq, start, end)
+
+
 class KVPusher:
     def __init__(self, sender: KVSender, executor: Executor, peer: str, dst_layout: KVLayout,
                  dst_block_ids: list[int], dst_num_cached_tokens: int, block_size: int,
-                 num_prompt_tokens: int, deadline: float, transfer_timeout_s: float):
+                 num_prompt_tokens: int, deadline: float, transfer_timeout_s: float,
+                 layerwise: bool = True):
         self.sender, self.executor, self.peer = sender, executor, peer
         self.dst_layout, self.dst_block_ids = dst_layout, dst_block_ids
         self.block_size = block_size
         self.num_prompt_tokens = num_prompt_tokens
         self.deadline, self.transfer_timeout_s = deadline, transfer_timeout_s
+        self.layerwise = layerwise
+        # what the engine calls (add_request's on_computed)
+        self.on_computed = (LayerHooks(self._chunk_computed, self._layer_computed) if self.layerwise
+                            else self._chunk_computed)
         self.next_block = dst_num_cached_tokens // block_size
         self.loop = asyncio.get_running_loop()
-        self.writes: list[asyncio.Future] = []
         self.bytes_written = 0
-        self.stopped = False
+        self.num_writes = 0          # submitted to the executor
         self.error: TransferError | None = None
-        self._queued: list[tuple[list[int], list[int], int | None]] = []
+        self._stopped = False
+        self._writes: list[asyncio.Future] = []
+        self._submitted: list[Future] = []     # not yet seen by the event loop
+        self._chunk: tuple[list[int], list[int], int | None] | None = None   # layerwise: this step's
         self._lock = threading.Lock()
 
-    def on_computed(self, seq, start: int, end: int) -> None:
-        """Step thread: queue writes for the blocks [next_block, last complete block]."""
+    # ---- step thread ----------------------------------------------------------------
+    def _take_blocks(self, seq, end: int) -> tuple[list[int], list[int], int | None] | None:
+        """(source ids, destination ids, token slots of a partial last block or None) of
+        the blocks [next_block, last complete block at `end`), which count as sent from
+        now on; None when there are none."""
         num_full = end // self.block_size
         partial = end == self.num_prompt_tokens and end % self.block_size
         last = num_full + 1 if partial else num_full
         if last <= self.next_block:
-            return
+            return None
         blocks = range(self.next_block, last)
-        src = [seq.block_ids[i] for i in blocks]
-        dst = [self.dst_block_ids[i] for i in blocks]
         self.next_block = last
-        with self._lock:
-            self._queued.append((src, dst, end % self.block_size if partial else None))
-        self.loop.call_soon_threadsafe(self._submit)
+        return ([seq.block_ids[i] for i in blocks], [self.dst_block_ids[i] for i in blocks],
+                end % self.block_size if partial else None)
 
-    def _submit(self) -> None:
-        """Event loop: start a write for each queued range of blocks."""
+    def _chunk_computed(self, seq, start: int, end: int) -> None:
+        """After the step that computed [start, end): its blocks not sent yet (layerwise:
+        none, unless no layer hook ran), every layer in one write."""
+        self._chunk = None
+        blocks = self._take_blocks(seq, end)
+        if blocks is not None:
+            self._submit(*blocks, None)
+
+    def _layer_computed(self, seq, layer: int, start: int, end: int) -> None:
+        """Inside the step's forward pass, once `layer` wrote the KV of [start, end)."""
+        if layer == 0:
+            self._chunk = self._take_blocks(seq, end)
+        if self._chunk is not None:
+            self._submit(*self._chunk, (layer,))
+
+    def _submit(self, src: list[int], dst: list[int], last_tokens: int | None,
+                layers: tuple[int, ...] | None) -> None:
+        """Hand one write to the executor, unless stopped or past the deadline."""
         with self._lock:
-            queued, self._queued = self._queued, []
-        for src, dst, last_tokens in queued:
-            if self.stopped:
+            if self._stopped:
                 return
-            remaining = self.deadline - time.monotonic()
-            if remaining <= 0:
+            if self.deadline - time.monotonic() <= 0:
                 self.error = self.error or TransferError("the request's deadline passed before its KV was sent")
                 return
-            self.writes.append(self.loop.run_in_executor(
-                self.executor, lambda s=src, d=dst, t=last_tokens: self._send(s, d, t)))
+            try:
+                future = self.executor.submit(self._send, src, dst, last_tokens, layers)
+            except RuntimeError as e:   # the executor is shut down: the node is stopping
+                self.error = self.error or TransferError(f"the KV push could not start a write: {e}")
+                return
+            self._submitted.append(future)
+            self.num_writes += 1
 
-    def _send(self, src: list[int], dst: list[int], last_tokens: int | None) -> int:
-        """Executor thread: the write, unless the pusher was stopped or the deadline passed
-        while it waited for a thread (then it writes nothing: a settled TransferError)."""
+    # ---- executor thread ------------------------------------------------------------
+    def _send(self, src: list[int], dst: list[int], last_tokens: int | None,
+              layers: tuple[int, ...] | None) -> int:
+        """The write, unless the pusher was stopped or the deadline passed while it waited
+        for a thread (then it writes nothing: a settled TransferError)."""
         remaining = self.deadline - time.monotonic()
-        if self.stopped or remaining <= 0:
+        if self._stopped or remaining <= 0:
             raise TransferError("the KV push was stopped, or its deadline passed, before this write started")
-        return self.sender.send_blocks(self.peer, self.dst_layout, src, dst, last_block_tokens=last_tokens,
+        return self.sender.send_blocks(self.peer, self.dst_layout, src, dst, layers=layers,
+                                       last_block_tokens=last_tokens,
                                        timeout_s=min(self.transfer_timeout_s, remaining))
 
+    # ---- event loop -----------------------------------------------------------------
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    @stopped.setter
+    def stopped(self, value: bool) -> None:
+        """Set under the submission lock: once True, no write is submitted any more."""
+        with self._lock:
+            self._stopped = value
+
+    @property
+    def writes(self) -> list[asyncio.Future]:
+        """Event loop: every write submitted so far, as asyncio futures of this loop."""
+        with self._lock:
+            submitted, self._submitted = self._submitted, []
+        self._writes.extend(asyncio.wrap_future(f, loop=self.loop) for f in submitted)
+        return self._writes
+
     async def finish(self) -> int:
-        """Wait until every queued write is acknowledged; returns bytes written."""
-        self._submit()
+        """Wait until every write is acknowledged; returns bytes written."""
         # shielded: a cancelled caller must not mark writes still running in the executor done
         results = await asyncio.gather(*(asyncio.shield(w) for w in self.writes))
         if self.error is not None:
@@ -117,5 +195,6 @@ class KVPusher:
     async def settle(self) -> None:
         """Wait for every write to end, however long (the source blocks stay held)."""
         self.stopped = True
-        if self.writes:
-            await asyncio.wait(self.writes)
+        writes = self.writes
+        if writes:
+            await asyncio.wait(writes)

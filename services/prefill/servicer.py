@@ -114,7 +114,8 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         deadline = time.monotonic() + (timeouts.prefill_s if remaining is None else remaining)
         pusher = KVPusher(self.node.sender, self.node.executor, checked.transfer_endpoint, checked.layout,
                           list(checked.block_ids), checked.num_cached_tokens, engine.block_size, len(prompt),
-                          deadline, timeouts.transfer_s)
+                          deadline, timeouts.transfer_s,
+                          layerwise=self.node.mesh.transfer.kv_push == "layerwise")
         store = None
         if self.node.kv_store is not None:
             store = StorePrefix(self.node.kv_store, prompt, engine.model_id, engine.layout_key)

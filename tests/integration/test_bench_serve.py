@@ -34,8 +34,11 @@ def bench(mesh, tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict
 
 def test_random_dataset_at_two_rates(mesh, tmp_path):
     proc, report = bench(mesh, tmp_path, "--num-prompts", "8", "--random-input-len", "40", "--random-output-len",
-                         "6", "--request-rate", "4,inf", "--goodput", "ttft:60000", "tpot:60000", "--seed", "5")
+                         "6", "--request-rate", "4,inf", "--goodput", "ttft:60000", "tpot:60000", "--seed", "5",
+                         "--save-detailed")
     assert [run["rate"] for run in report["runs"]] == [4.0, "inf"]
+    assert report["command"].startswith("pdmesh bench serve --gateway ") and report["backend"] == "grpc"
+    assert report["machine"]["cpus"] >= 1 and len(report["machine"]["load_avg"]) == 3
     wanted = sum(report["dataset"]["output_tokens"])
     for run in report["runs"]:
         assert (run["num_requests"], run["completed"], run["failed"]) == (8, 8, 0)
@@ -44,6 +47,9 @@ def test_random_dataset_at_two_rates(mesh, tmp_path):
         assert run["request_goodput"] == pytest.approx(run["request_throughput"])   # SLOs nobody misses
         assert 0 < run["ttft"]["median_ms"] <= run["ttft"]["p99_ms"] <= run["e2e"]["p99_ms"]
         assert set(run["tpot"]) == {"mean_ms", "median_ms", "p90_ms", "p99_ms"}
+        assert [len(r["output_token_ids"]) for r in run["requests"]] == report["dataset"]["output_tokens"]
+    assert [r["output_token_ids"] for r in report["runs"][0]["requests"]] == \
+        [r["output_token_ids"] for r in report["runs"][1]["requests"]]          # greedy: the same at any rate
     assert (tmp_path / "serving.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert proc.stdout.count("8/8 ok") == 2
 

@@ -18,13 +18,14 @@ import grpc
 import pytest
 import yaml
 
+from common.engine.cpu_budget import parse_cpu_list
 from services.cli.client import stream_generate
 from services.security.client_auth import client_channel
 from tests.channels import operator_channel
 
 ROOT = Path(__file__).resolve().parents[2]
 READY = re.compile(r"^gateway ready at (\S+)$")
-PID = re.compile(r"^(\S+)\s+\S+\s+healthy at \S+ \(pid (\d+)\)$")
+PID = re.compile(r"^(\S+)\s+\S+\s+healthy at \S+ \(pid (\d+), cores ([\d-]+(?:,[\d-]+)*)( \(not pinned\))?.*\)$")
 
 
 def write_config(tmp_path: Path, model: Path, *, bind_any: bool = False) -> Path:
@@ -149,6 +150,9 @@ def test_up_serves_then_stops_cleanly_on_sigterm(tmp_path, model_dir):
                              timeout=60)
         assert out.returncode == 0 and '"decode-0"' in out.stdout, out.stderr
         assert (tmp_path / "state" / "mesh.json").exists()
+        for m in filter(None, map(PID.match, up.lines)):   # each runs on the cores its line says
+            if not m[4]:
+                assert os.sched_getaffinity(int(m[2])) == set(parse_cpu_list(m[3])), m[0]
 
         start = time.monotonic()
         up.proc.send_signal(signal.SIGTERM)
@@ -179,7 +183,7 @@ def test_up_demo_bind_any_advertise_name(tmp_path, model_dir):
         up.kill()
 
 
-RESTARTED = re.compile(r"^(\S+)\s+\S+\s+restarted at \S+ \(pid (\d+)\)$")
+RESTARTED = re.compile(r"^(\S+)\s+\S+\s+restarted at \S+ \(pid (\d+), cores .*\)$")
 
 
 @pytest.mark.timeout(180)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kernels import factory
+from kernels.cpu import CpuBackend
 from kernels.ref import RefBackend
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,11 +22,17 @@ def clean_factory(monkeypatch):
     monkeypatch.setattr(factory, "_INSTANCES", {})
 
 
-def test_auto_on_cpu_is_ref_and_cached():
+def test_auto_on_cpu_is_the_cpu_backend_and_cached():
     backend = factory.get_backend("auto", "cpu")
-    assert isinstance(backend, RefBackend) and backend.name == "ref"
+    assert isinstance(backend, CpuBackend) and backend.name == "cpu"
     assert factory.get_backend() is backend
-    assert factory.get_backend("ref", "cpu") is backend
+    assert factory.get_backend("cpu", "cpu") is backend
+    assert type(factory.get_backend("ref", "cpu")) is RefBackend
+
+
+def test_auto_falls_back_to_ref_when_the_cpu_backend_cannot_load():
+    factory.register_backend("cpu", "kernels.no_such_module", "CpuBackend")
+    assert factory.get_backend("auto", "cpu").name == "ref"
 
 
 def test_env_overrides_the_argument(monkeypatch):
@@ -37,7 +44,7 @@ def test_env_overrides_the_argument(monkeypatch):
 def test_unknown_name_lists_allowed(monkeypatch, via_env):
     if via_env:
         monkeypatch.setenv(factory.ENV_VAR, "tpu")
-    with pytest.raises(ValueError, match="'tpu'.*auto, ref, npu, cuda"):
+    with pytest.raises(ValueError, match="'tpu'.*auto, ref, cpu, npu, cuda"):
         factory.get_backend("ref" if via_env else "tpu")
 
 

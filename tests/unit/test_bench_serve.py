@@ -64,9 +64,10 @@ def test_shared_prefix_requests_share_their_group_s_system_prompt():
 
 def test_jsonl_requests_take_text_or_ids_and_name_a_bad_line(tmp_path):
     path = tmp_path / "prompts.jsonl"
-    path.write_text('{"prompt": "hello there", "max_tokens": 5}\n\n{"prompt_token_ids": [5, 6, 7]}\n')
+    path.write_text('{"prompt": "hello there", "max_tokens": 5}\n\n{"prompt_token_ids": [5, 6, 7], "ignore_eos": false}\n')
     reqs = datasets.jsonl_requests(path, output_len=9)
-    assert [(r.prompt, r.prompt_token_ids, r.max_tokens) for r in reqs] == [("hello there", (), 5), ("", (5, 6, 7), 9)]
+    assert [(r.prompt, r.prompt_token_ids, r.max_tokens, r.ignore_eos) for r in reqs] == [
+        ("hello there", (), 5, True), ("", (5, 6, 7), 9, False)]
     path.write_text('{"prompt": "ok"}\n{"text": "no"}\n')
     with pytest.raises(ValueError, match=r"prompts.jsonl:2: needs a non-empty"):
         datasets.jsonl_requests(path, output_len=9)

@@ -51,13 +51,34 @@ def test_a_hit_is_answered_from_the_cache_until_max_age():
         view = MembersView(source, max_age_s=1.0, max_stale_s=3.0, min_interval_s=0.0, clock=clock)
         assert (await view.find(by_id("d0"))).node_id == "d0"
         assert source.calls == 1
-        clock.now += 0.9
+        clock.now += 0.4
         assert (await view.find(by_id("d0"))).node_id == "d0"
+        await asyncio.sleep(0)
         assert source.calls == 1                      # young enough: no fetch
-        clock.now += 0.2
+        clock.now += 0.7
         source.members = []                           # d0 left
         assert await view.find(by_id("d0")) is None   # past max_age: fetched again first
         assert source.calls == 2
+    asyncio.run(body())
+
+
+def test_a_hit_on_an_aging_list_refreshes_it_in_the_background():
+    async def body():
+        source, clock = Source([info("d0")]), Clock()
+        view = MembersView(source, max_age_s=1.0, max_stale_s=3.0, min_interval_s=0.0, clock=clock)
+        await view.find(by_id("d0"))
+        clock.now += 0.6                              # older than max_age / 2
+        source.delay_s = 0.05
+        assert (await view.find(by_id("d0"))).node_id == "d0"   # answered at once ...
+        assert source.calls == 1
+        await asyncio.sleep(0.1)                      # ... while the list is fetched behind it
+        assert source.calls == 2
+        clock.now += 0.6                              # 1.2 s after the first fetch, 0.6 after the second
+        source.delay_s = 10.0                         # a fetch now would time the test out
+        assert (await view.find(by_id("d0"))).node_id == "d0"
+        await asyncio.sleep(0)
+        assert source.calls == 3                      # the next refresh started, not awaited
+        await view.close()
     asyncio.run(body())
 
 

@@ -15,7 +15,7 @@ import torch
 
 from common.engine import AsyncEngine
 from common.engine.llm_engine import LLMEngine
-from common.config import EngineConfig, NodeConfig, TimeoutConfig
+from common.config import EngineConfig, NodeConfig, TimeoutConfig, TransferConfig
 from common.transfer.fake import FakeTransfer
 from common.transfer.kv_writes import KVSender
 from common.transfer.layout import KVLayout
@@ -34,7 +34,7 @@ def test_unary_cancel_of_a_queued_prefill_ends_it_cancelled(tiny_model):
     dst.register(dest_kv.data_ptr(), dest_kv.numel() * dest_kv.element_size())
     node = SimpleNamespace(engine=AsyncEngine(engine), sender=KVSender(src, layout),
                            executor=ThreadPoolExecutor(2), kv_store=None, layout=layout,
-                           node=NodeConfig("prefill", "prefill-0"), mesh=SimpleNamespace(timeouts=TimeoutConfig()))
+                           node=NodeConfig("prefill", "prefill-0"), mesh=SimpleNamespace(timeouts=TimeoutConfig(), transfer=TransferConfig(backend="fake")))
     decode_0 = common_pb2.NodeInfo(node_id="decode-0", role="decode", transfer_endpoint=dst.endpoint,
                                    kv_layout=KVLayout.of_tensor(dest_kv).to_proto())
     servicer = PrefillServicer(node, MembersView.static([decode_0]))

@@ -1,0 +1,72 @@
+"""Fast CPU backend: decode attention in C++ straight over the block tables
+(kernels/csrc/paged_decode_cpu.cpp, built at install time by kernels/cpu_extension.py), and
+every linear layer on oneDNN over weights packed once at load time; prefill, KV writes,
+norms and rotary are `ref`'s.
+
+Why: PyTorch's CPU F.linear calls MKL's sgemm, which on small row counts (a decode batch
+of 2-32 tokens) reaches only a fraction of the machine (MKL picks slow paths on AMD CPUs,
+and re-packs the weight on every call). oneDNN with a pre-packed weight runs those shapes
+1.3-2x faster at one thread (bench/kernels.py --linear; docs/benchmarks.md), which is what
+vLLM's CPU build runs too. Packing replaces the dense weight (no second copy is kept).
+
+The C++ decode reads each key and value row once from the cache, where ref gathers the
+blocks into a contiguous copy first (bench/kernels.py: 1.8-12x at one thread). Where the
+extension cannot be built (no compiler), decode is ref's.
+
+Weights oneDNN cannot pack here (a dtype without oneDNN support on this CPU) stay dense and
+go through F.linear, as on `ref`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kernels.api import DecodeMetadata
+from kernels.cpu_extension import paged_decode
+from kernels.ref import RefBackend
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs and multiplies weights of this dtype on this CPU."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
+
+
+class CpuBackend(RefBackend):
+    """ref's kernels; linear layers on oneDNN-packed weights."""
+
+    name = "cpu"
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        super().__init__(device)
+        if device is not None and torch.device(device).type != "cpu":
+            raise ImportError(f"the cpu kernel backend runs on device cpu only, not {device}")
+        self.extension = paged_decode()
+
+    def decode(self, query, k_cache, v_cache, meta: DecodeMetadata, scale: float) -> torch.Tensor:
+        if self.extension is None or query.shape[0] == 0:
+            return super().decode(query, k_cache, v_cache, meta, scale)
+        q = (query.float() * scale).contiguous()
+        out = self.extension.paged_decode(q, k_cache, v_cache, meta.block_tables.contiguous(),
+                                          meta.seq_lens.contiguous())
+        return out.to(query.dtype)
+
+    def prepare_linear(self, weight: torch.Tensor) -> Any:
+        if weight.device.type != "cpu" or not onednn_packs(weight.dtype):
+            return weight
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+    def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        if not weight.is_mkldnn:
+            return super().linear(x, weight, bias)
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+        return out.view(*x.shape[:-1], out.shape[-1])
