@@ -84,14 +84,9 @@ def decode_step_time(llm: LLM, vocab: int, steps: int = 64) -> float:
 
 
 def weight_bytes_per_decode_step(llm: LLM) -> int:
-    model = llm.engine.model
-    seen, total = set(), 0
-    for name, p in model.named_parameters():
-        if id(p) in seen or name == "embed" and not model.cfg.tie_word_embeddings:
-            continue  # the embedding table is gathered by row, not read whole
-        seen.add(id(p))
-        total += p.numel() * p.element_size()
-    return total
+    model = llm.engine.model   # dense_bytes: sizes before the backend packed the linears
+    return sum(size for name, size in model.dense_bytes.items()
+               if name != "embed" or model.cfg.tie_word_embeddings)  # an untied table is gathered by row
 
 
 def main() -> int:

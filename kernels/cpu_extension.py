@@ -1,17 +1,20 @@
 """The cpu backend's C++ paged decode attention (kernels/csrc/paged_decode_cpu.cpp):
 built with torch's extension builder (ninja + the host's C++ compiler) into torch's
 extension folder ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), once per
-source, torch version and CPU instruction set; later loads take the built library.
+source, torch version and CPU instruction set.
 
-    python -m kernels.cpu_extension      # build now (`make` runs it at install time)
+    python -m kernels.cpu_extension      # build it (`make` runs this at install time)
 
-`paged_decode()` returns the loaded module, or None when it cannot be built here (no
-compiler, no ninja, PDMESH_CPU_EXTENSION=0); the reason is logged once and the backend
-decodes with ref's gathered tiles instead.
+An engine never builds: `paged_decode()` imports the library that build left, or returns
+None (the reason logged once; PDMESH_CPU_EXTENSION=0 also turns it off) and the backend
+decodes with ref's gathered tiles instead. A build inside engine start-up would take
+minutes, and torch's build lock, left behind by a builder that was killed, would hang
+every later start.
 """
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import sys
@@ -39,40 +42,59 @@ def module_name() -> str:
     return f"pdmesh_paged_decode_{capability.lower()}_{digest}"
 
 
-def _build(verbose: bool) -> ModuleType:
+def library_path() -> Path:
+    """Where the build leaves the library for this source, torch and CPU."""
+    from torch.utils.cpp_extension import _get_build_directory
+    name = module_name()
+    return Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+
+
+def build(verbose: bool = False) -> ModuleType:
+    """Compile (or find up to date) and import the extension; raises when it cannot."""
     from torch.utils.cpp_extension import load
     flags = ["-O3", "-fopenmp", *_ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
     return load(name=module_name(), sources=[str(SOURCE)], extra_cflags=flags,
                 extra_ldflags=["-fopenmp"], verbose=verbose)
 
 
-def paged_decode(verbose: bool = False) -> ModuleType | None:
-    """The extension module (built first if needed), or None where it cannot be had."""
+def paged_decode() -> ModuleType | None:
+    """The built extension module, or None where it is not built or turned off."""
     with _LOCK:
         if not _LOADED:
-            _LOADED.append(_try_load(verbose))
+            _LOADED.append(_import_built())
         return _LOADED[0]
 
 
-def _try_load(verbose: bool) -> ModuleType | None:
+def _import_built() -> ModuleType | None:
     if os.environ.get(DISABLE_ENV) == "0":
         log.info("cpu kernel backend: C++ decode attention off (%s=0)", DISABLE_ENV)
         return None
     try:
-        return _build(verbose)
-    except Exception as exc:   # no compiler / ninja / headers: the torch path still works
-        log.warning("cpu kernel backend: C++ decode attention unavailable, decoding with "
-                    "gathered tiles (%s: %s)", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        path = library_path()
+        if not path.is_file():
+            log.warning("cpu kernel backend: C++ decode attention not built for this source, "
+                        "torch and CPU (run `python -m kernels.cpu_extension`); decoding with "
+                        "gathered tiles")
+            return None
+        spec = importlib.util.spec_from_file_location(module_name(), path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except Exception as exc:   # a broken library: the torch path still works
+        log.warning("cpu kernel backend: C++ decode attention unusable, decoding with gathered "
+                    "tiles (%s: %s)", type(exc).__name__, exc)
         return None
 
 
 def main() -> int:
     print(f"building {SOURCE.name} for {torch.backends.cpu.get_cpu_capability()} "
           f"(torch {torch.__version__}) ...", flush=True)
-    module = paged_decode(verbose="-v" in sys.argv)
-    if module is None:
-        print("not built: the cpu backend decodes with gathered tiles (see the warning above)")
-        return 0   # optional: installing must not fail where no compiler is
+    try:
+        module = build(verbose="-v" in sys.argv)
+    except Exception as exc:   # optional: installing must not fail where no compiler is
+        print(f"not built ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+              "the cpu backend decodes with gathered tiles")
+        return 0
     print(f"built: {module.__file__}")
     return 0
 

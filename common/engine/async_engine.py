@@ -332,8 +332,8 @@ class AsyncEngine:
 
     # ---- remote KV (on the caller's loop) --------------------------------------------
     def _on_remote_admit(self, seq) -> None:
-        """Engine side (whoever holds the engine lock): the sequence got its blocks; start
-        its fill on the caller's loop."""
+        """Engine side (whoever drives the engine: the engine lock's holder, or a caller in
+        the forward window): the sequence got its blocks; start its fill on the caller's loop."""
         box, remote = self._outboxes.get(seq.request_id), self._remote.get(seq.request_id)
         if box is None or remote is None:
             self.engine.fail_remote(seq.request_id, writer_settled=True)  # nobody fills it

@@ -16,7 +16,8 @@ so a prefix hit never reads a block that is still being written.
 The new blocks of one allocation back the sequence in ascending id order, so a KV push of
 them (common/transfer/kv_writes.py) needs one write per run of consecutive ids.
 
-Not thread-safe: the engine's step loop owns it.
+Not thread-safe: one thread at a time drives it, whoever holds the engine (AsyncEngine:
+its step thread, or a caller between steps or inside a step's forward window).
 """
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ waiting for a step.
 Blocks a remote writer may still write are QUARANTINED: kept referenced (so never handed
 out) under the request id until `release_quarantine`.
 
-Not thread-safe: the engine's step loop owns it.
+Not thread-safe: one thread at a time drives it, whoever holds the engine (AsyncEngine:
+its step thread, or a caller between steps or inside a step's forward window).
 """
 from __future__ import annotations
 

@@ -155,6 +155,7 @@ class CausalLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.lm_linear = None    # lm_head as the backend multiplies it (prepare_linears)
+        self.dense_bytes: dict[str, int] = {}   # parameter name -> bytes before prepare_linears
 
     def weight_slots(self) -> dict[str, tuple[nn.Parameter, int, int]]:
         slots = {"model.embed_tokens.weight": (self.embed, 0, self.cfg.vocab_size),
@@ -214,6 +215,7 @@ class CausalLM(nn.Module):
         a packed parameter's dense storage is gone."""
         if self.lm_linear is not None:
             raise RuntimeError("prepare_linears() was already called")
+        self.dense_bytes = {name: p.numel() * p.element_size() for name, p in self.named_parameters()}
         for layer in self.layers:
             layer.prepare_linears(self.backend)
         if self.cfg.tie_word_embeddings:

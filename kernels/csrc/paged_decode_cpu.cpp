@@ -4,7 +4,8 @@
 //
 //   query  float32 [num_seqs, num_heads, head_dim], already multiplied by the scale
 //   k/v    [num_blocks, block_size, num_kv_heads, head_dim], float32 / bfloat16 / float16
-//   block_tables int32 [num_seqs, max_blocks], seq_lens int32 [num_seqs] (>= 1)
+//   block_tables int32 [num_seqs, max_blocks], seq_lens int32 [num_seqs] (>= 1); every
+//   id a sequence's length reaches is checked against num_blocks (RuntimeError, no read)
 //   returns float32 [num_seqs, num_heads, head_dim]
 //
 // Per sequence: score every query head against every context token, softmax in float32
@@ -95,6 +96,9 @@ void decode_tasks(const float* query, const scalar_t* k_cache, const scalar_t* v
 
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens) {
+  TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+                  block_tables.device().is_cpu() && seq_lens.device().is_cpu(),
+              "every tensor must be on the CPU");
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == torch::kFloat32 && query.is_contiguous(),
               "query must be contiguous float32 [num_seqs, num_heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
@@ -115,11 +119,19 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0,
               "head_dim must match and num_heads must be a multiple of num_kv_heads");
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t max_blocks = block_tables.size(1), num_blocks = k_cache.size(0);
   for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK(lens[s] >= 1 && lens[s] <= block_tables.size(1) * block_size,
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * block_size,
                 "seq_lens must be in [1, max_blocks * block_size]");
+    for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b) {
+      const int32_t id = tables[s * max_blocks + b];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "block_tables holds block id ", id,
+                  " outside the cache's ", num_blocks, " blocks");
+    }
   }
   auto out = torch::empty_like(query);
+  if (num_seqs == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode", [&] {
     decode_tasks<scalar_t>(query.data_ptr<float>(), k_cache.data_ptr<scalar_t>(),
                            v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(), lens,
@@ -130,5 +142,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention over block tables (CPU)");
+  // without the GIL, as torch's own ops run: the node's event loop keeps serving meanwhile
+  m.def("paged_decode", &paged_decode, "paged decode attention over block tables (CPU)",
+        py::call_guard<py::gil_scoped_release>());
 }

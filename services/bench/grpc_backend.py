@@ -42,7 +42,10 @@ class GrpcBackend(Backend):
 
     async def model_info(self) -> ModelInfo:
         models = await self._stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=30)
-        info = next((m for m in models.models if not self.model or m.id == self.model), models.models[0])
+        info = next((m for m in models.models if not self.model or m.id == self.model), None)
+        if info is None:
+            served = ", ".join(m.id for m in models.models) or "none"
+            raise ValueError(f"model {self.model!r} is not served at {self.address}; served: {served}")
         return ModelInfo(info.id, info.vocab_size, info.max_model_len)
 
     async def one_request(self, req: BenchRequest) -> RequestResult:

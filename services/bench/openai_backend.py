@@ -59,7 +59,7 @@ class SSEDecoder:
             if cut is None:
                 return events
             end, after = cut
-            line, self._buffer = self._buffer[:end].decode("utf-8"), self._buffer[after:]
+            line, self._buffer = self._buffer[:end].decode("utf-8", "replace"), self._buffer[after:]
             if not line:
                 if self._data:
                     events.append("\n".join(self._data))
@@ -121,6 +121,12 @@ class _Stream:
             raise _StreamFailed("BAD_STREAM") from None
         if not isinstance(event, dict) or event.get("error"):
             raise _StreamFailed("STREAM_ERROR")
+        try:
+            self._on_fields(event, now)
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError):   # fields of the wrong shape
+            raise _StreamFailed("BAD_STREAM") from None
+
+    def _on_fields(self, event: dict, now: float) -> None:
         usage = event.get("usage") or {}
         if usage:
             self.usage_tokens = int(usage.get("completion_tokens") or 0)

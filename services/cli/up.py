@@ -14,8 +14,8 @@ on), pinned, one OpenMP thread per core, OMP_WAIT_POLICY=PASSIVE (where the envi
 sets neither); meta-server, kv-store and gateway run on the cores left over, or share
 them all when the engines take every core (1 prefill + 1 decode node on 2 cores: one
 core each; one colocated node: both). `engine.cpu_cores` in the config pins every engine
-node to those cores instead; --no-core-plan pins nothing. The status lines say who runs
-where.
+node to those cores instead; --no-core-plan makes no plan (an explicit engine.cpu_cores
+still pins). The status lines say who runs where.
 
 Credentials: the secrets the config (`security:`, gateway.api_keys_file) and the
 environment do not give are made fresh for this mesh under LOG_DIR/credentials (0600 files:

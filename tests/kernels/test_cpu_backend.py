@@ -124,3 +124,57 @@ def test_ref_keeps_its_dense_parameters(tiny_model):
     assert all(layer.linears[name] is not None and getattr(layer, name).numel() > 0
                and layer.linears[name].data_ptr() == getattr(layer, name).data_ptr()
                for name in layer.LINEAR_NAMES)
+
+
+def test_decode_refuses_a_block_id_outside_the_cache(backend):
+    if backend.extension is None:
+        pytest.skip("the C++ decode is off")
+    paged = make_paged([1, 1], [20, 5], block_size=16)
+    meta = paged.decode_meta()
+    meta.block_tables = meta.block_tables.clone()
+    meta.block_tables[0, 1] = paged.k_cache.shape[0] + 10**6
+    with pytest.raises(RuntimeError, match="outside the cache's"):
+        backend.decode(paged.query, paged.k_cache, paged.v_cache, meta, SCALE)
+
+
+def test_decode_lets_other_python_threads_run(backend):
+    """The extension drops the GIL as torch's ops do: the node's event loop keeps going.
+    A thread stamps the clock while one long call runs; with the GIL held it could not
+    run at all inside the call's middle 80%."""
+    import threading
+    import time
+    if backend.extension is None:
+        pytest.skip("the C++ decode is off")
+    paged = make_paged([1] * 16, [4000] * 16, block_size=16)
+    meta = paged.decode_meta()
+    q = (paged.query * SCALE).contiguous()
+    running, stamps = threading.Event(), []
+
+    def stamp():
+        running.set()
+        while running.is_set():
+            stamps.append(time.perf_counter())
+            time.sleep(0)
+
+    thread = threading.Thread(target=stamp)
+    thread.start()
+    running.wait()
+    t0 = time.perf_counter()
+    backend.extension.paged_decode(q, paged.k_cache, paged.v_cache, meta.block_tables, meta.seq_lens)
+    t1 = time.perf_counter()
+    running.clear()
+    thread.join()
+    inside = [t for t in stamps if t0 + 0.1 * (t1 - t0) < t < t0 + 0.9 * (t1 - t0)]
+    assert len(inside) > 10, (t1 - t0, len(inside))
+
+
+def test_an_unbuilt_library_falls_back_to_ref_decode(monkeypatch, caplog):
+    import kernels.cpu_extension as ext
+    monkeypatch.setattr(ext, "_LOADED", [])
+    monkeypatch.setattr(ext, "module_name", lambda: "pdmesh_paged_decode_never_built")
+    with caplog.at_level("WARNING", logger="pdmesh.kernels"):
+        backend = CpuBackend("cpu")
+    assert backend.extension is None and "not built" in caplog.text
+    paged = make_paged([1, 1], [20, 5], block_size=16)
+    torch.testing.assert_close(_decode(backend, paged).double(), dense_attention(paged, SCALE),
+                               **TOLERANCE[torch.float32])
