@@ -113,9 +113,9 @@ def bench_steps(model: str, args) -> tuple[list[dict], dict]:
         engines = [engine_at(model, "ref", batch, ctx), engine_at(model, "cpu", batch, ctx)]
         ref_ms, cpu_ms = medians_ms([engines[0].step, engines[1].step], 2, args.iters)
         out.append(dict(batch=batch, context=ctx, ref_ms=ref_ms, cpu_ms=cpu_ms, speedup=ref_ms / cpu_ms))
-        model = engines[1].model     # weights read per step: an untied embedding is gathered by row
-        weight_bytes = sum(size for name, size in model.dense_bytes.items()
-                           if name != "embed" or model.cfg.tie_word_embeddings)
+        lm = engines[1].model     # weights read per step: an untied embedding is gathered by row
+        weight_bytes = sum(size for name, size in lm.dense_bytes.items()
+                           if name != "embed" or lm.cfg.tie_word_embeddings)
         del engines
     bandwidth = copy_bandwidth_gb_s(args)
     floor_ms = weight_bytes / bandwidth / 1e6
