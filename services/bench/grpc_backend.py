@@ -55,6 +55,9 @@ class GrpcBackend(Backend):
         try:
             async for msg in self._stub.Generate(_message(req, self.model), timeout=self.timeout_s):
                 now = time.perf_counter()
+                if msg.HasField("prefill_timing") and msg.prefill_timing.remote:
+                    t = msg.prefill_timing
+                    result.remote_prefill_s = (t.queue_ms + t.compute_ms + t.transfer_ms) / 1e3
                 if msg.token_ids:
                     if last is None:
                         result.ttft_s = now - start

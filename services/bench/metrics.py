@@ -4,6 +4,11 @@ Per request (RequestResult): TTFT (send -> first token), ITL (the gaps between
 consecutive streamed messages after the first), TPOT ((E2E - TTFT) / (output tokens - 1),
 for requests with more than one token), E2E (send -> last message).
 
+Where the server says how long a remote prefill took (pdmesh's gateway: PrefillTiming
+on the first message), `handoff` is TTFT minus the prefill node's queue + compute +
+transfer: what the mesh adds around the remote prefill (routing, RPC hops, the decode
+node's hand-off).
+
 Per run (summarize): mean, median (p50), p90 and p99 of each in milliseconds (numpy's
 linear percentiles); output tokens/s and requests/s over the run's duration (first send
 -> last completion); goodput, DistServe's definition: completed requests that meet every
@@ -28,6 +33,11 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     error: str = ""                 # "" = completed; else the status code name
     output_token_ids: list[int] = field(default_factory=list)   # as streamed (empty if the server sent none)
+    remote_prefill_s: float | None = None   # queue + compute + transfer of a remote prefill, if reported
+
+    @property
+    def handoff_s(self) -> float | None:
+        return None if self.remote_prefill_s is None else self.ttft_s - self.remote_prefill_s
 
     @property
     def ok(self) -> bool:
@@ -89,6 +99,9 @@ def summarize(results: list[RequestResult], duration_s: float, slos: dict[str, f
         "itl": _stats([gap for r in done for gap in r.itl_s]),
         "e2e": _stats([r.e2e_s for r in done]),
     }
+    handoffs = [r.handoff_s for r in done if r.handoff_s is not None]
+    if handoffs:
+        summary["handoff"] = {**_stats(handoffs), "requests": len(handoffs)}
     if slos:
         summary["goodput_slos_ms"] = dict(slos)
         summary["request_goodput"] = sum(meets(r, slos) for r in results) / duration_s

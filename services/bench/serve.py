@@ -110,7 +110,15 @@ def _line(rate: float, s: dict) -> str:
     return (f"rate {name:>5}: {s['completed']}/{s['num_requests']} ok, {s['output_throughput']:.1f} tok/s, "
             f"{s['request_throughput']:.2f} req/s; TTFT p50/p99 {s['ttft']['median_ms']:.0f}/"
             f"{s['ttft']['p99_ms']:.0f} ms; TPOT p50/p99 {s['tpot']['median_ms']:.1f}/{s['tpot']['p99_ms']:.1f} ms; "
-            f"ITL p50 {s['itl']['median_ms']:.1f} ms; E2E p50 {s['e2e']['median_ms']:.0f} ms{good}")
+            f"ITL p50 {s['itl']['median_ms']:.1f} ms; E2E p50 {s['e2e']['median_ms']:.0f} ms{good}{_handoff(s)}")
+
+
+def _handoff(s: dict) -> str:
+    if "handoff" not in s:
+        return ""
+    h = s["handoff"]
+    return (f"; hand-off (TTFT - remote queue+compute+transfer) p50/p99 {h['median_ms']:.1f}/"
+            f"{h['p99_ms']:.1f} ms over {h['requests']} remote prefills")
 
 
 def detailed(results: list[RequestResult]) -> list[dict]:

@@ -73,3 +73,15 @@ def test_jsonl_text_prompts(mesh, tmp_path):
     run = report["runs"][0]
     assert (run["completed"], run["total_output_tokens"]) == (2, 8)
     assert run["total_input_tokens"] > 0      # counted by the gateway's tokenizer
+
+
+def test_a_1p1d_mesh_reports_the_handoff_of_every_remote_prefill(start_mesh, tiny_model, tmp_path):
+    """The gateway's PrefillTiming reaches the report: every request was prefilled on the
+    prefill node (remote), and the hand-off is TTFT minus its queue + compute + transfer."""
+    pd = start_mesh(tiny_model("llama"), nodes=(("prefill", "prefill-0"), ("decode", "decode-0")))
+    proc, report = bench(pd, tmp_path, "--num-prompts", "4", "--random-input-len", "40",
+                         "--random-output-len", "4", "--request-rate", "inf", "--seed", "3", "--plot", "none")
+    (run,) = report["runs"]
+    assert (run["completed"], run["handoff"]["requests"]) == (4, 4)
+    assert 0 < run["handoff"]["median_ms"] <= run["ttft"]["p99_ms"]
+    assert "over 4 remote prefills" in proc.stdout

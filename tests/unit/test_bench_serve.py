@@ -30,6 +30,19 @@ def test_summary_is_vllm_s_definitions_on_known_timings():
     assert s["e2e"]["median_ms"] == pytest.approx(500.0)
     # goodput: request 0 meets both (100 <= 250, 100 <= 150), 1 misses both, 2 meets ttft (tpot n/a)
     assert s["request_goodput"] == pytest.approx(2 / 2.0)
+    assert "handoff" not in s      # no server said how long a remote prefill took
+
+
+def test_handoff_is_ttft_minus_the_reported_remote_prefill():
+    results = [
+        RequestResult(num_output_tokens=2, ttft_s=0.30, e2e_s=0.4, remote_prefill_s=0.28),
+        RequestResult(num_output_tokens=2, ttft_s=0.50, e2e_s=0.6, remote_prefill_s=0.46),
+        RequestResult(num_output_tokens=2, ttft_s=0.10, e2e_s=0.2),          # prefilled locally
+        RequestResult(error="UNAVAILABLE", remote_prefill_s=0.1),
+    ]
+    s = summarize(results, duration_s=1.0)
+    assert s["handoff"]["requests"] == 2
+    assert s["handoff"]["mean_ms"] == pytest.approx(30.0) and s["handoff"]["median_ms"] == pytest.approx(30.0)
 
 
 def test_goodput_slos_are_parsed_naming_the_allowed_names():
