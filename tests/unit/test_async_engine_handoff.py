@@ -10,11 +10,12 @@ import threading
 
 import pytest
 
-from common.engine import AsyncEngine, SamplingParams
+from common.engine import SamplingParams
 from common.engine.block_manager import BlockManager
 from common.engine.remote_kv import KVFilled
 from common.engine.scheduler import Scheduler
 from common.engine.sequence import Sequence
+from tests.unit.test_async_engine import run_with
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 LOCAL = list(range(3, 43))            # 40 tokens: 3 blocks of 16
@@ -66,12 +67,6 @@ class AnsweringRemote:
         return None
 
 
-def run_with(llm, scenario):
-    engine = AsyncEngine(llm.engine)
-    try:
-        return asyncio.run(scenario(engine))
-    finally:
-        engine.shutdown()
 
 
 async def tokens(stream) -> list[list[int]]:
