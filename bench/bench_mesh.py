@@ -29,12 +29,14 @@ COLOCATED_NODES = (("both", "both-0"),)
 
 
 def start_pd_mesh(model: Path, engine: dict, transfer: str = "mooncake", prefix: str = "pdmesh-bench-",
-                  nodes=PD_NODES, kv_push: str = "layerwise", timeouts: dict | None = None) -> MeshProcesses:
+                  nodes=PD_NODES, kv_push: str = "layerwise", timeouts: dict | None = None,
+                  meta: dict | None = None) -> MeshProcesses:
     """Start the meta-server, the nodes (default prefill-0 and decode-0) and the gateway on
-    free ports; the caller stops it (mesh.stop()). timeouts: TimeoutConfig fields to set."""
+    free ports; the caller stops it (mesh.stop()). timeouts: TimeoutConfig fields to set;
+    meta: MetaConfig fields (the router's) to set."""
     work = Path(tempfile.mkdtemp(prefix=prefix))
     raw = {"model": str(model), "engine": engine, "transfer": {"backend": transfer, "kv_push": kv_push},
-           "meta_server": {"port": 0}, "gateway": {"port": 0}, "timeouts": dict(timeouts or {}),
+           "meta_server": {"port": 0, **(meta or {})}, "gateway": {"port": 0}, "timeouts": dict(timeouts or {}),
            "nodes": [{"role": role, "node_id": node_id} for role, node_id in nodes]}
     cfg = work / "mesh.yaml"
     cfg.write_text(yaml.safe_dump(raw))

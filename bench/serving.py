@@ -27,6 +27,14 @@ from services.bench.serve import ServeConfig, command_line, run_serve_benchmark 
 
 ENGINE = {"num_blocks": 2048, "max_num_seqs": 64, "max_model_len": 2048}
 TOPOLOGIES = {"colocated": COLOCATED_NODES, "1p1d": PD_NODES}
+# The 1P+1D meta-server prefills on the decode node while the prefill node's backlog is
+# longer than the decode node's by more than this (services/meta_server/router.py); 0 = never.
+DEFAULT_PREFILL_QUEUE_THRESHOLD = 1
+
+
+def topology_meta(name: str, prefill_queue_threshold: int) -> dict:
+    """The meta-server fields a topology's mesh starts with."""
+    return {"prefill_queue_threshold": prefill_queue_threshold} if name == "1p1d" else {}
 
 
 def main() -> int:
@@ -36,11 +44,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--input-len", type=int, default=190)
     ap.add_argument("--output-len", type=int, default=65)
+    ap.add_argument("--prefill-queue-threshold", type=int, default=DEFAULT_PREFILL_QUEUE_THRESHOLD,
+                    help="1P+1D: the router's meta_server.prefill_queue_threshold (0 = always remote)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving.json"))
     args = ap.parse_args()
     rates = tuple(float(r) for r in args.rates.split(","))
     model = ensure_bench_model()
-    meshes = {name: start_pd_mesh(model, ENGINE, prefix=f"pdmesh-serving-{name}-", nodes=nodes)
+    meshes = {name: start_pd_mesh(model, ENGINE, prefix=f"pdmesh-serving-{name}-", nodes=nodes,
+                                  meta=topology_meta(name, args.prefill_queue_threshold))
               for name, nodes in TOPOLOGIES.items()}
     runs: dict[str, list] = {name: [] for name in TOPOLOGIES}
     try:
@@ -75,7 +86,8 @@ def main() -> int:
               f"TPOT p50 {ratios[key]['tpot_p50_1p1d_over_colocated']:.2f}")
     report = {"command": command_line(["python", "bench/serving.py", *sys.argv[1:]]), "machine": machine_info(),
               "model": str(model.name),
-              "engine": ENGINE, "num_prompts": args.num_prompts, "rates": list(map(str, rates)),
+              "engine": ENGINE, "prefill_queue_threshold_1p1d": args.prefill_queue_threshold,
+              "num_prompts": args.num_prompts, "rates": list(map(str, rates)),
               "input_len": args.input_len, "output_len": args.output_len, "runs": runs, "ratios": ratios}
     path = ROOT / "bench" / "results" / "serving.json" if not args.out else args.out
     with open(path, "w") as f:

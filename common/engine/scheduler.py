@@ -11,8 +11,8 @@ prompt + generated tokens). A sequence whose blocks are the source of a KV push
 seats (`max_num_seqs`), budget and blocks last; admission allocates blocks for the whole
 prompt, prefix-cache hits first. A sequence with `kv_remote` set is admitted into
 KV_REMOTE instead (`on_remote_admit` is told) and waits there, holding its seat, until
-`kv_landed` or `kv_failed`; `admit_remote` admits those at the head of the queue without
-waiting for a step.
+`kv_landed` or `kv_failed`; `admit_remote` admits those without waiting for a step, past
+local sequences waiting for step budget when that costs them no seat and no block.
 
 Blocks a remote writer may still write are QUARANTINED: kept referenced (so never handed
 out) under the request id until `release_quarantine`.
@@ -153,19 +153,27 @@ class Scheduler:
         return out
 
     def admit_remote(self) -> None:
-        """Admit the kv_remote sequences at the head of the waiting queue into KV_REMOTE now,
-        in order, without a step (their KV is computed elsewhere: no step budget). Stops at
-        the first that is not kv_remote (FIFO: a step admits it), when the seats are taken,
-        or when its blocks would not leave one free block per running or ready sequence
-        (their next tokens come first, as in a step). Touches no running sequence, so it may
-        run while a step's forward pass does (common/engine/async_engine.py)."""
+        """Admit the kv_remote sequences of the waiting queue into KV_REMOTE now, in order,
+        without a step (their KV is computed elsewhere: they need no step budget, so they
+        need not wait behind local prefills that do, which would leave the prefill node
+        idle while this node computes). One passes the local sequences ahead of it only
+        with what those leave: a seat each and the blocks of its whole prompt are kept for
+        them, and one free block per running or ready sequence (their next tokens come
+        first, as in a step). Stops at the first kv_remote sequence that does not fit
+        (FIFO among them). Touches no running sequence, so it may run while a step's
+        forward pass does (common/engine/async_engine.py)."""
         bm = self.block_manager
-        while self.waiting and self.waiting[0].kv_remote and self.num_seats_taken < self.max_num_seqs:
-            seq = self.waiting[0]
-            reserve = len(self.running) + len(self.ready)
-            if bm.num_blocks_for(len(seq)) + reserve > bm.num_free_blocks or not bm.allocate(seq):
+        kept_seats = kept_blocks = 0
+        for seq in list(self.waiting):
+            if not seq.kv_remote:
+                kept_seats += 1
+                kept_blocks += bm.num_blocks_for(len(seq))
+                continue
+            reserve = len(self.running) + len(self.ready) + kept_blocks
+            if (self.num_seats_taken + kept_seats >= self.max_num_seqs
+                    or bm.num_blocks_for(len(seq)) + reserve > bm.num_free_blocks or not bm.allocate(seq)):
                 return
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             advance(seq, S.ALLOCATED)
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.perf_counter()

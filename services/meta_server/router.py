@@ -28,8 +28,12 @@ The index is kept under every policy, so switching to cache_aware starts warm.
 
 Conditional disaggregation: prefill runs on the decode node (local) when the decode node
 is a `both` node, there is no usable prefill node, the prompt is shorter than
-local_prefill_max_tokens, or prefill_queue_threshold > 0 and every usable prefill node
-had more than that many requests waiting at its last heartbeat.
+local_prefill_max_tokens, or prefill_queue_threshold > 0 and every usable prefill node's
+backlog exceeds the decode node's own by more than the threshold. A backlog counts what
+the last heartbeat reported plus what the router sent since (a burst is routed within
+milliseconds, long before the next heartbeat), so under overload the prompts split
+between the prefill tier and the decode node's spare compute (join the shorter queue),
+and at light load every prompt still goes to the prefill tier.
 
 Thread-safety: event loop only; route() mutates counters, the index and the chosen
 members' routed_since_heartbeat.
@@ -103,18 +107,19 @@ class Router:
         decode = self._pick("decode", decodes, policy, hashes)
         prefills = [m for m in usable if m.role == "prefill"]
         ranked: list[Member] = []
-        if decode.role == "decode" and prefills and not self._prefill_locally(request, prefills):
+        if decode.role == "decode" and prefills and not self._prefill_locally(request, decode, prefills):
             ranked = self._rank("prefill", prefills, policy, hashes, request.store_hit_blocks)
         decision = RouteDecision(decode, ranked[0] if ranked else None,
                                  self.index.prefix_hit(decode.node_id, hashes), ranked[1:])
         self._record(decision, hashes)
         return decision
 
-    def _prefill_locally(self, request: RouteRequest, prefills: list[Member]) -> bool:
+    def _prefill_locally(self, request: RouteRequest, decode: Member, prefills: list[Member]) -> bool:
         if request.num_prompt_tokens < self.local_prefill_max_tokens:
             return True
         threshold = self.prefill_queue_threshold
-        return threshold > 0 and min(m.info.load.waiting for m in prefills) > threshold
+        return threshold > 0 and (min(m.prefill_backlog() for m in prefills)
+                                  > decode.local_prefill_backlog() + threshold)
 
     def _pick(self, tier: str, candidates: list[Member], policy: str,
               hashes: tuple[bytes, ...], shared_hit_blocks: int = 0) -> Member:
@@ -147,6 +152,8 @@ class Router:
                 self.index.record(m.node_id, hashes, m.info.kv_layout.num_blocks)
         self.num_routed += 1
         self.num_local_prefill += decision.local_prefill
+        if decision.local_prefill:
+            decision.decode.local_prefills_since_heartbeat += 1
 
     def node_restarted(self, node_id: str) -> None:
         """A (re-)registered node starts with an empty prefix cache."""

@@ -157,7 +157,7 @@ def _seq(rid: str, n: int, arrival: int, kv_remote: bool = False) -> Sequence:
     return Sequence(rid, list(range(1, n + 1)), SamplingParams(max_tokens=8), arrival, kv_remote=kv_remote)
 
 
-def test_admit_remote_takes_the_head_of_the_queue_in_order_and_leaves_room_for_the_batch():
+def test_admit_remote_passes_local_prefills_only_with_what_they_leave_and_room_for_the_batch():
     bm = BlockManager(8, 16)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=256)
     admitted: list[str] = []
@@ -169,15 +169,20 @@ def test_admit_remote_takes_the_head_of_the_queue_in_order_and_leaves_room_for_t
     for s in (r1, local, r2):
         sched.add(s)
     sched.admit_remote()
-    assert admitted == ["r1"]                         # local is next: a step admits it, then r2
-    assert (r1.block_ids, bm.num_free_blocks) == ([2, 3, 4], 3)
-    big = _seq("big", 48, 4, True)                    # 3 blocks: none left for running's next token
+    # r2 passes local (which waits for a step's budget): 1 block each, 1 for running's next token
+    assert admitted == ["r1", "r2"] and list(sched.waiting) == [local]
+    assert (r1.block_ids, r2.block_ids, bm.num_free_blocks) == ([2, 3, 4], [5], 2)
+    r3 = _seq("r3", 16, 4, True)                      # would take the block local's prompt needs
+    sched.add(r3)
+    sched.admit_remote()
+    assert admitted == ["r1", "r2"] and list(sched.waiting) == [local, r3]
     sched.abort(local)
-    sched.abort(r2)
+    sched.admit_remote()                              # local gone: r3 fits
+    assert admitted == ["r1", "r2", "r3"] and bm.num_free_blocks == 1
+    big = _seq("big", 32, 5, True)                    # 2 blocks: none left for the batch's next tokens
     sched.add(big)
     sched.admit_remote()
-    assert admitted == ["r1"] and list(sched.waiting) == [big]
-    for s in (running, r1):
+    assert admitted == ["r1", "r2", "r3"] and list(sched.waiting) == [big]
+    for s in (running, r1, r2, r3, big):
         sched.abort(s)
-    sched.abort(big)
     assert bm.num_used_blocks == 0

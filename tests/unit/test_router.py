@@ -23,7 +23,7 @@ def member(node_id: str, role: str, running: int = 0, waiting: int = 0, model: s
 
 def heartbeat(m: Member, running: int = 0, waiting: int = 0) -> None:
     m.info.load.running, m.info.load.waiting = running, waiting
-    m.routed_since_heartbeat = 0
+    m.routed_since_heartbeat = m.local_prefills_since_heartbeat = 0
 
 
 def mesh():
@@ -134,6 +134,7 @@ def test_conditional_disaggregation():
     assert not router.route(members, req(64), "least_load").local_prefill
     heartbeat(p0, waiting=3)
     heartbeat(p1, waiting=5)
+    heartbeat(d0), heartbeat(d1)
     decision = router.route(members, req(1000), "least_load")
     assert decision.local_prefill and decision.decode.node_id in ("d0", "d1")
     heartbeat(p1, waiting=2)                      # one prefill node at the threshold: remote
@@ -142,6 +143,22 @@ def test_conditional_disaggregation():
     assert router.route([p0, member("b0", "both")], req(1000), "least_load").local_prefill
     assert router.route([d0], req(1000), "least_load").local_prefill
     assert router.route(members, req(1000), "least_load", drained=frozenset({"p0", "p1"})).local_prefill
+
+
+def test_a_burst_splits_between_the_prefill_node_and_the_decode_node_by_backlog():
+    # no heartbeat during the burst: the router counts what it sent each way itself
+    router = Router(prefill_queue_threshold=1)
+    p0, d0 = member("p0", "prefill"), member("d0", "decode")
+    local = [router.route([p0, d0], req(1000), "least_load").local_prefill for _ in range(9)]
+    # remote while p0's backlog is at most d0's + 1, then by turns
+    assert local == [False, False, True, False, True, False, True, False, True]
+    assert (p0.prefill_backlog(), d0.local_prefill_backlog()) == (5, 4)
+    # the next heartbeats: p0 still has 4 prompts, d0 has drained its own
+    heartbeat(p0, running=1, waiting=3)
+    heartbeat(d0, running=9)
+    assert [router.route([p0, d0], req(1000), "least_load").local_prefill for _ in range(3)] == [True, True, True]
+    heartbeat(p0)                                 # light load: everything remote again
+    assert not router.route([p0, d0], req(1000), "least_load").local_prefill
 
 
 def test_prefix_index_counts_leading_hits_and_evicts_tails_first():

@@ -50,6 +50,7 @@ class Member:
     last_seen: float                   # the last join or report, by the registry's clock
     instance_id: str = ""              # the process that joined (RPC registrations)
     routed_since_heartbeat: int = 0    # requests routed here since its last load report
+    local_prefills_since_heartbeat: int = 0   # of those, the ones it prefills itself
     down_since: float | None = None    # set when it was found gone
 
     @property
@@ -71,6 +72,17 @@ class Member:
         busy = load.running + load.waiting + self.routed_since_heartbeat
         used = 1.0 - load.free_blocks / load.total_blocks if load.total_blocks else 0.0
         return busy + used
+
+    def prefill_backlog(self) -> int:
+        """Prompts a prefill node has to compute: in prefill or waiting at the last
+        heartbeat, plus routed to it since."""
+        load = self.info.load
+        return load.running + load.waiting + self.routed_since_heartbeat
+
+    def local_prefill_backlog(self) -> int:
+        """Prompts a decode node has to prefill itself, as far as the router knows: waiting
+        for admission at the last heartbeat plus local prefills routed to it since."""
+        return self.info.load.waiting + self.local_prefills_since_heartbeat
 
 
 class Registry(abc.ABC):
@@ -153,6 +165,7 @@ class Registry(abc.ABC):
         """The member's info was just refreshed by its node."""
         member.last_seen = self.clock()
         member.routed_since_heartbeat = 0
+        member.local_prefills_since_heartbeat = 0
 
     def _gone(self, node_id: str, why: str) -> bool:
         """Mark an up member down; False if unknown or already down."""
