@@ -119,19 +119,19 @@ def test_missing_or_broken_files_name_the_file(model_dirs, tmp_path):
 
 # ---- incremental detokenizer -------------------------------------------------------------
 
-class _WindowOnly:
-    """Hides token_bytes, forcing the window path; records the longest decoded id list."""
+class _StreamOnly:
+    """Hides token_bytes and is_byte_level, forcing the DecodeStream path; counts decodes."""
 
     def __init__(self, tok: Tokenizer) -> None:
-        self.tok, self.all_special_ids, self.max_ids = tok, tok.all_special_ids, 0
+        self.tok, self.all_special_ids, self.backend, self.decodes = tok, tok.all_special_ids, tok.backend, 0
 
     def decode(self, ids, skip_special_tokens=True):
-        self.max_ids = max(self.max_ids, len(ids))
+        self.decodes += 1
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def _detok(tok: Tokenizer, path: str, **kw) -> IncrementalDetokenizer:
-    return IncrementalDetokenizer(tok if path == "bytes" else _WindowOnly(tok), **kw)  # type: ignore[arg-type]
+    return IncrementalDetokenizer(tok if path == "bytes" else _StreamOnly(tok), **kw)  # type: ignore[arg-type]
 
 
 def _stream(detok: IncrementalDetokenizer, ids: list[int], rng: random.Random) -> list[str]:
@@ -152,7 +152,7 @@ def _non_ascii_ids(tok: Tokenizer) -> list[int]:
             and any(ord(c) >= 0x80 for c in tok.decode([i]))]
 
 
-@pytest.mark.parametrize("path", ["bytes", "window"])
+@pytest.mark.parametrize("path", ["bytes", "stream"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("skip", [True, False])
 def test_deltas_concatenate_to_decode_on_random_streams(toks, arch, skip, path):
@@ -174,7 +174,7 @@ def test_deltas_concatenate_to_decode_on_random_streams(toks, arch, skip, path):
         assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip), ids
 
 
-@pytest.mark.parametrize("path", ["bytes", "window"])
+@pytest.mark.parametrize("path", ["bytes", "stream"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_unicode_never_broken(toks, arch, path):
     tok = toks[arch]
@@ -206,7 +206,7 @@ def test_unfinished_character_is_held_then_flushed(toks):
     assert detok.text == "a中中\ufffd" == tok.decode(detok.token_ids)
 
 
-@pytest.mark.parametrize("path", ["bytes", "window"])
+@pytest.mark.parametrize("path", ["bytes", "stream"])
 def test_prompt_context_is_not_emitted(toks, path):
     tok = toks["llama"]
     detok = _detok(tok, path, prompt_token_ids=tok.encode("Once upon a time 🚀"))
@@ -218,12 +218,50 @@ def test_decode_work_per_token_is_bounded(toks):
     tok = toks["qwen2"]
     ids = tok.encode(UNICODE_TEXT * 5 + CORPUS, add_special_tokens=False)
     stream = ids[:2000] + [tok.all_special_ids[0]] * 500 + ids[2000:]
-    window = _WindowOnly(tok)
-    for t in (tok, window):
+    streamed = _StreamOnly(tok)
+    for t in (tok, streamed):
         detok = IncrementalDetokenizer(t)  # type: ignore[arg-type]
         for i in stream:
             detok.add([i])
+        # the stream path never re-decodes per token: tokenizers' DecodeStream keeps the offsets
+        assert streamed.decodes == 0
         detok.flush()
         assert detok.text == tok.decode(ids)
-    # CJK runs where every BPE token straddles two characters widen the window a little
-    assert window.max_ids <= 20
+
+
+class _SentencePieceStyle:
+    """A Llama-2-style tokenizer (BPE with byte fallback, Metaspace, the decoder chain of
+    Llama-2's tokenizer.json), trained here: not byte-level, so the DecodeStream path."""
+
+    def __init__(self) -> None:
+        from tokenizers import Tokenizer as HF, decoders, models, normalizers, pre_tokenizers
+        pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "▁",
+                  *(chr(c) for c in range(33, 127)), "▁t", "he", "▁the", "re", "▁a"]
+        merges = [("▁", "t"), ("h", "e"), ("▁t", "he"), ("r", "e"), ("▁", "a")]
+        backend = HF(models.BPE({p: i for i, p in enumerate(pieces)}, merges, byte_fallback=True, unk_token="<unk>"))
+        backend.add_special_tokens(["<unk>", "<s>", "</s>"])
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=False)
+        backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                             decoders.Strip(" ", 1, 0)])
+        self.backend, self.all_special_ids = backend, [backend.token_to_id("<s>"), backend.token_to_id("</s>")]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def test_a_sentencepiece_style_tokenizer_streams_whole_characters_and_its_spaces():
+    tok = _SentencePieceStyle()
+    text = "Once upon a time 中文 🚀 there was text."
+    ids = tok.backend.encode(text).ids
+    assert any(tok.backend.id_to_token(i).startswith("<0x") for i in ids)   # byte fallback in play
+    for seed in range(5):
+        detok = IncrementalDetokenizer(tok)  # type: ignore[arg-type]
+        deltas = _stream(detok, ids, random.Random(seed))
+        assert "".join(deltas) == tok.decode(ids) == text
+        assert all("\ufffd" not in d for d in deltas)
+    # after a prompt, the first output token's leading space is kept (Metaspace context)
+    prompt = tok.backend.encode("Once upon a time").ids
+    out = tok.backend.encode("Once upon a time there was").ids[len(prompt):]
+    detok = IncrementalDetokenizer(tok, prompt_token_ids=prompt)  # type: ignore[arg-type]
+    assert "".join(_stream(detok, out, random.Random(0))) == " there was"
