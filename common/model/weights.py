@@ -2,18 +2,22 @@
 
 `iter_checkpoint` yields (tensor name, tensor, file) one tensor at a time so a loader can
 copy each straight into its destination and never holds two copies of the model. A
-progress line per file goes to the `pdmesh.model` logger.
+progress line per file goes to the `pdmesh.model` logger, and a progress bar of bytes and
+tensors (tqdm) to the terminal when stderr is one, or to the `progress` stream given.
 """
 from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 log = logging.getLogger("pdmesh.model")
 
@@ -44,13 +48,38 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     raise FileNotFoundError(f"{root}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file")
 
 
-def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor, Path]]:
+def iter_checkpoint(model_dir: str | Path, progress: TextIO | None = None) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    """progress: where the bar goes; None = stderr, shown only when it is a terminal."""
     files = checkpoint_files(model_dir)
-    for i, path in enumerate(files, 1):
-        start = time.perf_counter()
-        size_mb = path.stat().st_size / 2**20
-        log.info("loading weights %s [%d/%d] %.1f MB", path.name, i, len(files), size_mb)
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name), path
-        log.info("loaded %s in %.2fs", path.name, time.perf_counter() - start)
+    num_tensors = sum(len(_header(path)) for path in files)
+    bar = tqdm(total=sum(_tensor_bytes(path) for path in files), unit="B", unit_scale=True, unit_divisor=1024,
+               desc="loading weights", file=progress if progress is not None else sys.stderr,
+               disable=None if progress is None else False, mininterval=0.5)
+    loaded = 0
+    with bar:
+        for i, path in enumerate(files, 1):
+            start = time.perf_counter()
+            size_mb = path.stat().st_size / 2**20
+            log.info("loading weights %s [%d/%d] %.1f MB", path.name, i, len(files), size_mb)
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    tensor = f.get_tensor(name)
+                    loaded += 1
+                    bar.set_postfix_str(f"tensors {loaded}/{num_tensors}", refresh=False)
+                    bar.update(tensor.numel() * tensor.element_size())
+                    yield name, tensor, path
+            log.info("loaded %s in %.2fs", path.name, time.perf_counter() - start)
+
+
+def _header(path: Path) -> dict:
+    """The tensors of a safetensors file, from its JSON header (name -> dtype, shape,
+    data_offsets), without "__metadata__"."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header
+
+
+def _tensor_bytes(path: Path) -> int:
+    return sum(end - begin for begin, end in (t["data_offsets"] for t in _header(path).values()))

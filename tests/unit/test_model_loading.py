@@ -1,18 +1,21 @@
 """Checkpoint loading: sharded safetensors, and clear errors naming the file and tensor."""
 from __future__ import annotations
 
+import io
 import json
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tqdm import tqdm
 
 from common.config import EngineConfig
 from common.engine import SamplingParams
 from common.engine.llm_engine import LLMEngine
 from common.model.config import load_model_config
 from common.model.tiny import make_tiny_model
+from common.model.weights import checkpoint_files, iter_checkpoint
 
 SMALL = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=320)
 
@@ -77,3 +80,16 @@ def test_no_checkpoint_file_is_a_clear_error(tmp_path, small_model):
 def test_unknown_engine_argument_lists_the_allowed_ones():
     with pytest.raises(ValueError, match=r"unknown engine argument\(s\) \['max_seqs'\]; allowed: "):
         EngineConfig.from_kwargs("m", max_seqs=3)
+
+
+def test_loading_shows_bytes_and_tensors_as_it_goes(tmp_path):
+    sharded = make_tiny_model("llama", tmp_path / "sharded", seed=3, max_shard_bytes=200_000, **SMALL)
+    tensors = {name: t for f in checkpoint_files(sharded) for name, t in load_file(str(f)).items()}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    bar = io.StringIO()
+    names = [name for name, _, _ in iter_checkpoint(sharded, progress=bar)]
+    assert sorted(names) == sorted(tensors)
+    final = bar.getvalue().split("\r")[-1]
+    size = tqdm.format_sizeof(total, divisor=1024)
+    assert final.startswith("loading weights: 100%") and f"{size}/{size}" in final
+    assert f"tensors {len(tensors)}/{len(tensors)}" in final
