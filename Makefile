@@ -25,7 +25,8 @@ $(STAMP): pyproject.toml kernels/csrc/paged_decode_cpu.cpp | $(PY)
 # Debian packages: etcd and redis-server (tests start their own on free ports); libibverbs1,
 # libnuma1 and libcurl4, which Mooncake's engine links; docker-compose (a test validates
 # docker-compose.yml with it; no Docker engine needed); g++, which builds the cpu kernel
-# backend's C++ decode attention (kernels/cpu_extension.py).
+# backend's C++ decode attention (kernels/cpu_extension.py); chromium, the browser that
+# Playwright drives in the dashboard test (tests/integration/test_kv_dashboard.py).
 # apt-get runs only as root and only for what is missing; silent when all is present.
 sysdeps:
 	@missing=""; \
@@ -33,6 +34,7 @@ sysdeps:
 	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
 	command -v docker-compose >/dev/null 2>&1 || missing="$$missing docker-compose"; \
 	command -v g++ >/dev/null 2>&1 || missing="$$missing g++"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	for pkg in libibverbs1 libnuma1 libcurl4; do \
 		dpkg -s $$pkg >/dev/null 2>&1 || missing="$$missing $$pkg"; done; \
 	[ -n "$$missing" ] || exit 0; \

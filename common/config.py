@@ -67,6 +67,12 @@ class EngineConfig:
         return cls(model=str(model), **kwargs)
 
 
+def check_metrics_port(section: str, port) -> None:
+    """metrics_port: where the service serves GET /metrics (common/metrics.py); 0 = off."""
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ValueError(f"{section}.metrics_port must be an integer in [0, 65535] (0 = off), got {port!r}")
+
+
 ROLES = ("prefill", "decode", "both")
 POLICIES = ("cache_aware", "least_load", "round_robin")
 TRANSFER_BACKENDS = ("mooncake", "grpc", "fake")
@@ -108,8 +114,15 @@ class MetaConfig:
     prefill_queue_threshold: int = 0    # > 0: prefill locally past this backlog gap (router.py)
     standbys: int = 0                   # extra meta-servers (`pdmesh up`); need etcd_endpoint
     advertise_host: str = ""            # "" = host
+    metrics_port: int = 0               # GET /metrics on host (0 = off); standbys get free ports
+    dashboard_port: int = 0             # GET /dashboard, /api/cluster on host (0 = off; admin token)
 
     def __post_init__(self) -> None:
+        check_metrics_port("meta_server", self.metrics_port)
+        if not isinstance(self.dashboard_port, int) or isinstance(self.dashboard_port, bool) \
+                or not 0 <= self.dashboard_port <= 65535:
+            raise ValueError("meta_server.dashboard_port must be an integer in [0, 65535] (0 = off), "
+                             f"got {self.dashboard_port!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"meta_server.policy must be one of {POLICIES}, got {self.policy!r}")
         if self.ttl_seconds <= 0:
@@ -126,15 +139,21 @@ class GatewayConfig:
     its stream broke mid-way (the node died or stopped); 0 = never (the client gets
     UNAVAILABLE). api_keys_file: the keys clients send as `authorization: Bearer KEY`
     (services/security); without one (and no $PDMESH_API_KEYS_FILE) the public API is open
-    to anyone who reaches the port."""
+    to anyone who reaches the port. http_port: the OpenAI-compatible HTTP API
+    (services/gateway/openai_http) on the same host and keys; 0 = off."""
 
     meta_addresses: tuple[str, ...] = ()   # every meta-server, to follow the leader; () = meta_server
     host: str = "127.0.0.1"
     port: int = 50050
     max_migrations: int = 3
     api_keys_file: str = ""             # one client key per line; "" = $PDMESH_API_KEYS_FILE, else open
+    metrics_port: int = 0               # GET /metrics on host (0 = off)
+    http_port: int = 0                  # the OpenAI-compatible HTTP API on host (0 = off)
 
     def __post_init__(self) -> None:
+        check_metrics_port("gateway", self.metrics_port)
+        if not isinstance(self.http_port, int) or isinstance(self.http_port, bool) or not 0 <= self.http_port <= 65535:
+            raise ValueError(f"gateway.http_port must be an integer in [0, 65535] (0 = off), got {self.http_port!r}")
         if not isinstance(self.max_migrations, int) or self.max_migrations < 0:
             raise ValueError(f"gateway.max_migrations must be an integer >= 0, got {self.max_migrations!r}")
 
@@ -150,6 +169,7 @@ class NodeConfig:
     port: int = 0
     max_queue: int = 256                # waiting requests before RESOURCE_EXHAUSTED
     advertise_host: str = ""            # "" = host
+    metrics_port: int = 0               # GET /metrics on host (0 = off)
 
     @property
     def advertised_host(self) -> str:
@@ -158,6 +178,7 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"nodes[].role must be one of {ROLES}, got {self.role!r}")
+        check_metrics_port(f"nodes[{self.node_id}]", self.metrics_port)
 
 
 @dataclass(frozen=True)
@@ -175,8 +196,10 @@ class KVStoreConfig:
     low_watermark: float = 0.7          # ... down to this one
     redis_url: str = ""                 # redis://HOST:PORT/DB: evicted blocks spill there
     redis_ttl_s: float = 0.0            # expiry of spilled blocks in Redis (0 = none)
+    metrics_port: int = 0               # GET /metrics on host (0 = off)
 
     def __post_init__(self) -> None:
+        check_metrics_port("kv_store", self.metrics_port)
         if self.capacity_mb <= 0:
             raise ValueError(f"kv_store.capacity_mb must be > 0, got {self.capacity_mb}")
         if self.max_spaces < 1:

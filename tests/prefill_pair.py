@@ -21,6 +21,7 @@ from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.decode.remote_prefill import RemotePrefill
 from services.node import grpc_util
 from services.node.members_view import MembersView
+from services.node.metrics import NodeMetrics
 from services.prefill.servicer import PrefillServicer
 from tests.channels import operator_channel
 
@@ -51,6 +52,7 @@ class PrefillPair:
             engine=AsyncEngine(self.prefill_engine), sender=KVSender(self.prefill_transfer, prefill_layout),
             executor=ThreadPoolExecutor(4), kv_store=None, layout=prefill_layout,
             node=NodeConfig("prefill", "prefill-0", max_queue=max_queue), mesh=mesh)
+        self.prefill_node.metrics = NodeMetrics("prefill-0", self.prefill_node.engine.snapshot, self.prefill_transfer)
         self.members = [common_pb2.NodeInfo(node_id="decode-0", role="decode", transfer_backend="fake",
                                             transfer_endpoint=self.decode_transfer.endpoint,
                                             kv_layout=decode_layout.to_proto())]

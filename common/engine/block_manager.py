@@ -48,6 +48,7 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[bytes, int] = {}
         self.num_hits = self.num_queries = 0
+        self.num_cached_blocks = 0   # free blocks still holding a prefix-cache entry (kept as a count)
 
     @property
     def num_blocks(self) -> int:
@@ -101,6 +102,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_queue[block_id]
+                self.num_cached_blocks -= 1
             block.ref_count += 1
         seq.block_ids = list(hit_ids)
         seq.block_hashes = list(hashes)
@@ -139,11 +141,14 @@ class BlockManager:
                 self.free_queue[block_id] = None
                 if block.hash is None:
                     self.free_queue.move_to_end(block_id, last=False)
+                else:
+                    self.num_cached_blocks += 1
 
     def _take_free(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:
+            self.num_cached_blocks -= 1
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
             block.hash, block.token_ids = None, ()
@@ -172,3 +177,4 @@ class BlockManager:
         for block in self.blocks:
             block.hash, block.token_ids = None, ()
         self.hash_to_block.clear()
+        self.num_cached_blocks = 0

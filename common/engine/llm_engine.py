@@ -308,4 +308,4 @@ class LLMEngine:
                 "free_blocks": bm.num_free_blocks, "used_blocks": bm.num_used_blocks,
                 "total_blocks": bm.num_blocks, "prefix_hit_tokens": bm.num_hits,
                 "prefix_query_tokens": bm.num_queries, "preemptions": sched.num_preemptions,
-                "quarantined_blocks": sched.num_quarantined_blocks}
+                "quarantined_blocks": sched.num_quarantined_blocks, "cached_blocks": bm.num_cached_blocks}

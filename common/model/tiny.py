@@ -7,7 +7,7 @@ same bytes in every file):
                               bos/eos ids, torch_dtype + dtype "float32"
     model.safetensors         HF tensor names, float32 (or sharded, see shard_safetensors)
     tokenizer.json            byte-level BPE trained on tiny_corpus.CORPUS
-    tokenizer_config.json     PreTrainedTokenizerFast, bos/eos/pad, add_bos_token
+    tokenizer_config.json     PreTrainedTokenizerFast, bos/eos/pad, add_bos_token, chat_template
     generation_config.json    bos_token_id, eos_token_id
 
 Weights are drawn from one torch.Generator in a fixed order, with scales chosen so the

@@ -86,8 +86,25 @@ def train_tiny_tokenizer(flavour: str, vocab_size: int, text: str = CORPUS) -> T
     )
 
 
+# Chat templates (tokenizer_config.json "chat_template", rendered by transformers'
+# apply_chat_template and by the gateway's /v1/chat/completions): llama a plain
+# "role: content" transcript after the bos token, qwen ChatML as the Qwen family's.
+# Both refuse a role other than system / user / assistant through raise_exception.
+_ROLE_CHECK = ("{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+               "{{ raise_exception('each message role must be system, user or assistant') }}{% endif %}")
+CHAT_TEMPLATES = {
+    "llama": ("{{ bos_token }}{% for message in messages %}" + _ROLE_CHECK
+              + "{{ message['role'] + ': ' + message['content'] + '\n' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"),
+    "qwen": ("{% for message in messages %}" + _ROLE_CHECK
+             + "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
+}
+
+
 def tokenizer_config(tiny: TinyTokenizer, model_max_length: int) -> dict:
-    """The tokenizer_config.json dict HF AutoTokenizer needs for `tiny`."""
+    """The tokenizer_config.json dict HF AutoTokenizer needs for `tiny`, with its
+    flavour's chat template."""
     added = {
         str(i): {
             "content": t.content, "lstrip": t.lstrip, "normalized": t.normalized,
@@ -106,4 +123,5 @@ def tokenizer_config(tiny: TinyTokenizer, model_max_length: int) -> dict:
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
         "added_tokens_decoder": added,
+        "chat_template": CHAT_TEMPLATES["qwen" if tiny.token_id("<|im_start|>") is not None else "llama"],
     }

@@ -3,7 +3,9 @@
 Order: meta-server -> kv-store (when configured) -> engine nodes -> gateway. Port 0 in the config means "pick a free
 port"; the choice is passed to each process with --port / --meta. Each start waits for
 grpc.health.v1 SERVING (and, for engine nodes, for their registration at the
-meta-server) and prints one status line per service, with its cores.
+meta-server) and prints one status line per service, with its cores and, when it serves
+metrics (its metrics_port), where: http://HOST:PORT/metrics. Standby meta-servers share
+meta_server's config, so each gets a free metrics port of its own (--metrics-port).
 
 Cores (common/engine/cpu_budget.plan_cores): the engine nodes split the cores this
 process may use, one OpenMP thread per core, unless engine.cpu_cores names theirs;
@@ -48,14 +50,28 @@ class Service:
     process: subprocess.Popen | None = None
     env: dict[str, str] = field(default_factory=dict)   # set for this service's process only
     cpu: cpu_budget.CoreShare | None = None
+    metrics_port: int = 0               # GET /metrics there (0 = none)
+    http_port: int = 0                  # the gateway's OpenAI-compatible HTTP API (0 = none)
+    http_scheme: str = "http"           # https when the mesh runs TLS
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def metrics_address(self) -> str:
+        """http://HOST:PORT/metrics, or "" when the service serves no metrics."""
+        return f"http://{self.host}:{self.metrics_port}/metrics" if self.metrics_port else ""
+
     def status(self, what: str) -> str:
         cores = f", {self.cpu.describe()}" if self.cpu is not None else ""
-        return f"{self.name:<12} {self.role:<11} {what} at {self.address} (pid {self.process.pid}{cores})"
+        metrics = f", metrics at {self.metrics_address}" if self.metrics_port else ""
+        return f"{self.name:<12} {self.role:<11} {what} at {self.address}{metrics} (pid {self.process.pid}{cores})"
+
+    @property
+    def http_address(self) -> str:
+        """http(s)://HOST:PORT of the gateway's HTTP API, or "" when it has none."""
+        return f"{self.http_scheme}://{self.host}:{self.http_port}" if self.http_port else ""
 
 
 def wait_healthy(address: str, timeout_s: float, process: subprocess.Popen | None = None,
@@ -99,29 +115,37 @@ class MeshProcesses:
         meta_host = m.meta.advertise_host or m.meta.host
         self.meta_address = f"{meta_host}:{meta_port}"
         self.services["meta-server"] = Service("meta-server", "meta-server", meta_host, meta_port,
-                                               [], self.log_dir / "meta-server.log")
+                                               [], self.log_dir / "meta-server.log",
+                                               metrics_port=m.meta.metrics_port)
         self.meta_addresses = [self.meta_address]
         for i in range(1, m.meta.standbys + 1):
             port = free_port(m.meta.host)
             name = f"meta-server-{i}"
-            self.services[name] = Service(name, "meta-server", meta_host, port, [],
-                                          self.log_dir / f"{name}.log")
+            metrics_port = free_port(m.meta.host) if m.meta.metrics_port else 0
+            self.services[name] = Service(name, "meta-server", meta_host, port,
+                                          ["--metrics-port", str(metrics_port)] if metrics_port else [],
+                                          self.log_dir / f"{name}.log", metrics_port=metrics_port)
             self.meta_addresses.append(f"{meta_host}:{port}")
         self.kv_store_address = ""
         if m.kv_store is not None:
             kv = m.kv_store
             port = kv.port or free_port(kv.host)
             self.services["kv-store"] = Service("kv-store", "kv-store", kv.advertise_host or kv.host,
-                                                port, [], self.log_dir / "kv-store.log")
+                                                port, [], self.log_dir / "kv-store.log",
+                                                metrics_port=kv.metrics_port)
             self.kv_store_address = self.services["kv-store"].address
         for node in m.nodes:
             port = node.port or free_port(node.host)
             self.services[node.node_id] = Service(node.node_id, node.role, node.advertised_host, port,
                                                   ["--node-id", node.node_id],
-                                                  self.log_dir / f"{node.node_id}.log")
+                                                  self.log_dir / f"{node.node_id}.log",
+                                                  metrics_port=node.metrics_port)
         gw_port = m.gateway.port or free_port(m.gateway.host)
         self.services["gateway"] = Service("gateway", "gateway", m.gateway.host, gw_port, [],
-                                           self.log_dir / "gateway.log")
+                                           self.log_dir / "gateway.log", metrics_port=m.gateway.metrics_port,
+                                           http_port=m.gateway.http_port,
+                                           http_scheme="https" if m.security.tls_dir or self.environ.get(
+                                               "PDMESH_TLS_DIR") else "http")
         self._plan_cores()
 
     def _plan_cores(self) -> None:
@@ -142,12 +166,28 @@ class MeshProcesses:
         """Fixed ports must be free: a stranger there would answer our health checks."""
         m = self.mesh
         fixed = [("meta-server", m.meta.host, m.meta.port), ("gateway", m.gateway.host, m.gateway.port),
+                 ("gateway HTTP", m.gateway.host, m.gateway.http_port),
                  *((n.node_id, n.host, n.port) for n in m.nodes)]
         if m.kv_store is not None:
             fixed.append(("kv-store", m.kv_store.host, m.kv_store.port))
+        fixed += [(f"{name} metrics", host, port) for name, host, port in self._metrics_ports()]
+        seen: dict[tuple[str, int], str] = {}
+        for name, host, port in fixed:
+            if port and (host, port) in seen:
+                raise RuntimeError(f"{name} and {seen[host, port]} both have port {host}:{port}")
+            seen[host, port] = name
         taken = [f"{name} {host}:{port}" for name, host, port in fixed if port and port_in_use(host, port)]
         if taken:
             raise RuntimeError(f"port(s) already in use: {', '.join(taken)} (another mesh running?)")
+
+    def _metrics_ports(self) -> list[tuple[str, str, int]]:
+        """(service, bind host, metrics_port) of each service configured to serve metrics."""
+        m = self.mesh
+        ports = [("meta-server", m.meta.host, m.meta.metrics_port), ("gateway", m.gateway.host, m.gateway.metrics_port),
+                 *((n.node_id, n.host, n.metrics_port) for n in m.nodes)]
+        if m.kv_store is not None:
+            ports.append(("kv-store", m.kv_store.host, m.kv_store.metrics_port))
+        return [p for p in ports if p[2]]
 
     def _spawn(self, svc: Service) -> None:
         cmd = [sys.executable, "-m", "services.cli", "serve", svc.role, "--config", self.config_path,
@@ -247,6 +287,8 @@ class MeshProcesses:
             self._spawn(gw)
             self._wait_healthy(gw, timeout_s)
             self._say(gw.status("healthy"))
+            if gw.http_port:
+                self._say(f"{'gateway':<12} {'http':<11} OpenAI-compatible API at {gw.http_address}/v1")
         except BaseException as e:
             self.stop()
             logs = "\n".join(f"  {s.log_path}" for s in self.services.values())
@@ -256,6 +298,11 @@ class MeshProcesses:
     @property
     def gateway_address(self) -> str:
         return self.services["gateway"].address
+
+    @property
+    def http_address(self) -> str:
+        """http(s)://HOST:PORT of the gateway's OpenAI-compatible API ("" when http_port is 0)."""
+        return self.services["gateway"].http_address
 
     def restart(self, name: str, timeout_s: float = 60.0, env: dict[str, str] | None = None) -> None:
         """Start a stopped or killed service again with the same arguments (and, when

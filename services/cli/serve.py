@@ -2,7 +2,7 @@
 
 ROLE is meta-server, gateway, kv-store, prefill, decode or both; engine roles pick their
 entry of `nodes` by --node-id (default: the first node of that role). --port / --meta /
---kv-store override the file, so a launcher can hand out free ports.
+--kv-store / --metrics-port override the file, so a launcher can hand out free ports.
 
 Credentials (services/security/credentials.py): the cluster secret (or TLS files), the
 admin token and the gateway's API keys come from the config's `security:` section and
@@ -29,6 +29,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help="override the configured port")
     p.add_argument("--meta", default="", help="override the meta-server address HOST:PORT")
     p.add_argument("--kv-store", default="", help="override the kv-store address HOST:PORT")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="override this service's metrics_port (GET /metrics; 0 = off)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -53,6 +55,19 @@ def _apply_overrides(mesh, args):
     return mesh
 
 
+def _with_metrics_port(mesh, node_cfg, role: str, port: int):
+    """(mesh, node_cfg) with role's metrics_port set to port."""
+    if node_cfg is not None:
+        return mesh, dataclasses.replace(node_cfg, metrics_port=port)
+    if role == "meta-server":
+        return dataclasses.replace(mesh, meta=dataclasses.replace(mesh.meta, metrics_port=port)), None
+    if role == "gateway":
+        return dataclasses.replace(mesh, gateway=dataclasses.replace(mesh.gateway, metrics_port=port)), None
+    if mesh.kv_store is None:
+        raise ValueError("--metrics-port given for kv-store but the config has no kv_store section")
+    return dataclasses.replace(mesh, kv_store=dataclasses.replace(mesh.kv_store, metrics_port=port)), None
+
+
 def _node_config(mesh, role: str, node_id: str):
     if node_id:
         node = mesh.node(node_id)
@@ -67,9 +82,12 @@ def _node_config(mesh, role: str, node_id: str):
 
 async def _serve(args) -> None:
     from common.config import load_mesh_config
+    from common.metrics import close_metrics
     from services.security.credentials import install, load_credentials
     mesh = _apply_overrides(load_mesh_config(args.config), args)
     node_cfg = _node_config(mesh, args.role, args.node_id) if args.role in ("prefill", "decode", "both") else None
+    if args.metrics_port is not None:
+        mesh, node_cfg = _with_metrics_port(mesh, node_cfg, args.role, args.metrics_port)
     name = node_cfg.node_id if node_cfg is not None else args.role
     credentials = load_credentials(mesh.security, name,
                                    mesh.gateway.api_keys_file if args.role == "gateway" else "")
@@ -96,6 +114,9 @@ async def _serve(args) -> None:
         server, _ = await create_server(mesh, args.port, credentials)
 
         async def stop(grace):
+            from services.gateway.server import stop_http
+            await close_metrics(server)
+            await stop_http(server, grace)
             await server.stop(grace)
             await server.servicer.close()   # its tokenizer pool and channels
     failed = asyncio.Event()   # set when the service cannot serve any more

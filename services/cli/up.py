@@ -168,12 +168,14 @@ def run(args: argparse.Namespace) -> int:
         address = mesh.start(timeout_s=args.start_timeout)
         recorded = _record(mesh)
         print(f"gateway ready at {address}", flush=True)
+        if mesh.http_address:
+            print(f"OpenAI-compatible HTTP API at {mesh.http_address}/v1", flush=True)
         if args.demo:
             from services.cli.demo import run_demo
             if mesh_cfg.tiny_arch:
                 print("(the tiny model has random weights: its text is gibberish)", flush=True)
             code = run_demo(address, max_tokens=args.max_tokens, api_key=mesh.api_key(),
-                            tls=mesh.client_tls(cert_name=None))
+                            tls=mesh.client_tls(cert_name=None), http_address=mesh.http_address)
         else:
             code = _supervise(mesh, args.start_timeout)
     except KeyboardInterrupt:
@@ -192,12 +194,21 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
+def _dashboard_url(meta) -> str:
+    """The meta-server's KV-memory dashboard (`pdmesh top` reads it), "" when off."""
+    if not meta.dashboard_port:
+        return ""
+    host = "127.0.0.1" if meta.host in ("", "0.0.0.0") else "[::1]" if meta.host == "::" else meta.host
+    return f"http://{host}:{meta.dashboard_port}"
+
+
 def _record(mesh) -> dict[str, str]:
     """~/.pdmesh/mesh.json: where this mesh and its client credentials are."""
     from services.security.mesh_secrets import write_state
     environ, sec = mesh.environ, mesh.mesh.security
-    values = {"gateway": mesh.gateway_address, "meta": mesh.meta_address,
+    values = {"gateway": mesh.gateway_address, "http": mesh.http_address, "meta": mesh.meta_address,
               "kv_store": mesh.kv_store_address,
+              "dashboard": _dashboard_url(mesh.mesh.meta),
               "api_keys_file": mesh.mesh.gateway.api_keys_file or environ.get("PDMESH_API_KEYS_FILE", ""),
               "admin_token_file": sec.admin_token_file or environ.get("PDMESH_ADMIN_TOKEN_FILE", ""),
               "tls_dir": sec.tls_dir or environ.get("PDMESH_TLS_DIR", "")}
@@ -205,4 +216,6 @@ def _record(mesh) -> dict[str, str]:
     path = write_state(values)
     print(f"client credentials: API key in {values['api_keys_file'] or '(none: the API is open)'}, "
           f"admin token in {values['admin_token_file'] or '(none)'} (recorded in {path})", flush=True)
+    if values["dashboard"]:
+        print(f"KV-memory dashboard at {values['dashboard']}/dashboard?token=ADMIN_TOKEN (pdmesh top)", flush=True)
     return values

@@ -61,6 +61,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
                 reply = engine_pb2.DecodeResponse(token_ids=out.new_token_ids)
                 if num_out == 0:
                     reply.prefill_timing.CopyFrom(self._timing(remote, out, time.perf_counter() - start))
+                    self.node.metrics.queue_time.observe(out.queue_s)
                 num_out += len(out.new_token_ids)
                 if out.finished:
                     reply.finish_reason = out.finish_reason or ""

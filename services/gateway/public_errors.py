@@ -30,12 +30,18 @@ DEADLINE_PASSED = "the request's deadline passed"
 ECHO_CHARS = 64
 
 
-class PublicError(Exception):
-    """End the client's call with `code` and `details`; details are fit for a public client."""
+UNKNOWN_MODEL = "model_not_found"
 
-    def __init__(self, code: grpc.StatusCode, details: str):
+
+class PublicError(Exception):
+    """End the client's call with `code` and `details`; details are fit for a public client.
+    reason: what the HTTP API needs beyond the gRPC code ("" or UNKNOWN_MODEL: the
+    request named a model this mesh does not serve, INVALID_ARGUMENT on gRPC, 404 on
+    HTTP)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, reason: str = ""):
         super().__init__(details)
-        self.code, self.details = code, details
+        self.code, self.details, self.reason = code, details, reason
 
 
 def new_error_id() -> str:

@@ -23,6 +23,7 @@ Deadline: timeouts.request_s, or the client's own if sooner; every hop gets what
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -55,7 +56,10 @@ class NodeStopped(Exception):
 class RequestStream:
     def __init__(self, *, meta: MetaClient, decode: DecodeClient, timeouts: TimeoutConfig,
                  max_migrations: int, model_id: str, tokenizer, prompt_ids: list[int], params,
-                 request: gateway_pb2.GenerateRequest, deadline: float, block_hashes):
+                 request: gateway_pb2.GenerateRequest, deadline: float, block_hashes,
+                 metrics=None, arrival: float | None = None):
+        """metrics: a GatewayMetrics (services/gateway/metrics.py) this request is counted
+        in, None = not counted; arrival: the request's time.perf_counter() at the gateway."""
         self.meta, self.decode, self.timeouts = meta, decode, timeouts
         self.max_migrations, self.model_id = max_migrations, model_id
         self.prompt_ids, self.params, self.request, self.deadline = prompt_ids, params, request, deadline
@@ -67,8 +71,28 @@ class RequestStream:
         self.refusals = 0
         self.migrations = 0
         self.last_refusal: tuple[grpc.StatusCode, str] | None = None   # code, internal details
+        self.metrics = metrics
+        self.arrival = time.perf_counter() if arrival is None else arrival
 
-    async def replies(self) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    def replies(self) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        return self._replies() if self.metrics is None else self._counted()
+
+    async def _counted(self) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """_replies, timed and counted in self.metrics."""
+        timer = self.metrics.timer(self.arrival)
+        ended = "abort"   # unless it finishes or fails: the client left
+        try:
+            async with contextlib.aclosing(self._replies()) as replies:   # closed (call cancelled) at once
+                async for reply in replies:
+                    timer.on_reply(len(reply.token_ids), reply.finish_reason, len(self.prompt_ids))
+                    yield reply
+        except Exception:
+            ended = "error"
+            raise
+        finally:
+            timer.end(ended)
+
+    async def _replies(self) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         while True:
             route = await self._route()
             node = route.decode
@@ -209,6 +233,8 @@ class RequestStream:
             return
         if sent_here > 0 and code in BROKEN and self.migrations < self.max_migrations and in_time:
             self.migrations += 1
+            if self.metrics is not None:
+                self.metrics.migrations.inc()
             log.warning("decode node %s broke the stream of client id %r after %d tokens (%s %s); "
                         "migrating (%d of at most %d)", node_id, self.request.request_id, len(self.tokens),
                         code.name, details, self.migrations, self.max_migrations)

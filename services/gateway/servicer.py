@@ -9,6 +9,8 @@ then one RequestStream (services/gateway/request_stream.py: routing, the decode 
 detokenization and stop strings, rerouting and migration to another decode node when the
 one serving the request dies). Client cancel: the decode call is cancelled, which aborts
 the request downstream. Tokenize: parse -> bounds -> model -> the tokenizer pool.
+The OpenAI-compatible HTTP API (services/gateway/openai_http) builds a GenerateRequest
+and goes through the same open_stream -> replies.
 
 Every error a client gets is fit for a public client (services/gateway/public_errors.py):
 the mesh's failures and the gateway's own bugs come as a plain sentence and an error id,
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import grpc
 
@@ -30,6 +34,7 @@ from protos.pdmesh.v1 import gateway_pb2, gateway_pb2_grpc, meta_pb2
 from services.convert import sampling_from_proto
 from services.gateway import public_errors
 from services.gateway.decode_client import DecodeClient
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.meta_client import MetaClient
 from services.gateway.public_errors import PublicError
 from services.gateway.request_limits import check_generate, check_tokenize
@@ -39,6 +44,10 @@ from services.gateway.wire import BadRequest
 
 log = logging.getLogger("pdmesh.gateway")
 MAX_MODEL_CHARS = 256
+
+
+class UnknownModel(ValueError):
+    """The request names a model this mesh does not serve."""
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -57,6 +66,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.decode = DecodeClient()
         self.tokenizer_pool = TokenizerPool(tokenizer, limits.tokenizer_threads)
         self._hash_args: tuple[int, str, str] | None = None   # block_size, model_id, layout
+        self.metrics = GatewayMetrics()   # every request that passed validation (services/gateway/metrics.py)
 
     async def _block_hashes(self, ids: list[int]) -> list[bytes]:
         """The prompt's block hash chain as the nodes compute it (for cache-aware routing);
@@ -76,17 +86,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         block_size, model_id, layout = self._hash_args
         return hash_block_chain(ids, block_size, model_id, layout)
 
-    def _check_model(self, model: str) -> None:
+    def check_model(self, model: str) -> None:
+        """ValueError naming `model` unless it is "" or this mesh's model id (UnknownModel
+        when it is a well-formed id of another model)."""
         if len(model) > MAX_MODEL_CHARS:
             raise ValueError(f"model is {len(model)} characters; a model id is at most {MAX_MODEL_CHARS}")
         if model and model != self.model_id:
-            raise ValueError(f"model {public_errors.echo(model)} is not served here; "
-                             f"available: [{self.model_id!r}]")
+            raise UnknownModel(f"model {public_errors.echo(model)} is not served here; "
+                               f"available: [{self.model_id!r}]")
 
     async def _validated(self, request: gateway_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
         """The prompt's ids and the sampling parameters; ValueError naming the field."""
         check_generate(request, self.limits)
-        self._check_model(request.model)
+        self.check_model(request.model)
         params = sampling_from_proto(request.sampling)
         validate_sampling(params, self.vocab_size)
         which = request.WhichOneof("input")
@@ -102,48 +114,69 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         validate_request(ids, params, self.vocab_size, self.max_model_len)
         return ids, params
 
-    def _deadline(self, context) -> float:
-        """The request's deadline (time.monotonic): request_s, or the client's if sooner."""
+    async def open_stream(self, request: gateway_pb2.GenerateRequest, deadline: float) -> RequestStream:
+        """The request validated, as a RequestStream that has sent nothing yet (deadline:
+        time.monotonic). Raises PublicError: INVALID_ARGUMENT naming the field (reason
+        UNKNOWN_MODEL for a model not served here), RESOURCE_EXHAUSTED when the tokenizer
+        pool is full, INTERNAL. Shared by Generate and the HTTP API."""
+        arrival = time.perf_counter()
+        try:
+            ids, params = await self._validated(request)
+        except ValueError as e:
+            reason = public_errors.UNKNOWN_MODEL if isinstance(e, UnknownModel) else ""
+            raise PublicError(grpc.StatusCode.INVALID_ARGUMENT, str(e), reason) from None
+        except TokenizerBusy as e:
+            raise PublicError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        except Exception:
+            raise public_errors.internal_error("Generate", request.request_id) from None
+        return RequestStream(meta=self.meta, decode=self.decode, timeouts=self.timeouts,
+                             max_migrations=self.max_migrations, model_id=self.model_id,
+                             tokenizer=self.tokenizer, prompt_ids=ids, params=params, request=request,
+                             deadline=deadline, block_hashes=self._block_hashes,
+                             metrics=self.metrics, arrival=arrival)
+
+    async def replies(self, stream: RequestStream) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """stream's replies; every failure as PublicError. Closing this iterator (or
+        cancelling its reader) cancels the request downstream."""
+        try:
+            async with aclosing(stream.replies()) as replies:
+                async for reply in replies:
+                    yield reply
+        except PublicError:
+            raise
+        except grpc.aio.AioRpcError as e:   # a mesh call the stream does not handle itself
+            raise public_errors.mesh_error(grpc.StatusCode.UNAVAILABLE, public_errors.NODE_FAILED,
+                                           f"{e.code().name} {e.details()}", stream.request.request_id) from None
+        except Exception:
+            raise public_errors.internal_error("Generate", stream.request.request_id) from None
+
+    def deadline(self, client_remaining_s: float | None = None) -> float:
+        """A request's deadline (time.monotonic): request_s, or the client's if sooner."""
         remaining = self.timeouts.request_s
-        client = context.time_remaining()
-        if client is not None:
-            remaining = min(remaining, client)
+        if client_remaining_s is not None:
+            remaining = min(remaining, client_remaining_s)
         return time.monotonic() + remaining
 
     async def Generate(self, request, context):
         if isinstance(request, BadRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
-            ids, params = await self._validated(request)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except TokenizerBusy as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except Exception:
-            await _abort(context, public_errors.internal_error("Generate", request.request_id))
-        stream = RequestStream(meta=self.meta, decode=self.decode, timeouts=self.timeouts,
-                               max_migrations=self.max_migrations, model_id=self.model_id,
-                               tokenizer=self.tokenizer, prompt_ids=ids, params=params, request=request,
-                               deadline=self._deadline(context), block_hashes=self._block_hashes)
-        try:
-            async for reply in stream.replies():
-                yield reply
-            return
+            stream = await self.open_stream(request, self.deadline(context.time_remaining()))
         except PublicError as e:
-            error = e
-        except grpc.aio.AioRpcError as e:   # a mesh call the stream does not handle itself
-            error = public_errors.mesh_error(grpc.StatusCode.UNAVAILABLE, public_errors.NODE_FAILED,
-                                             f"{e.code().name} {e.details()}", request.request_id)
-        except Exception:
-            error = public_errors.internal_error("Generate", request.request_id)
-        await _abort(context, error)
+            await _abort(context, e)
+        try:
+            async with aclosing(self.replies(stream)) as replies:
+                async for reply in replies:
+                    yield reply
+        except PublicError as e:
+            await _abort(context, e)
 
     async def Tokenize(self, request, context):
         if isinstance(request, BadRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             check_tokenize(request, self.limits)
-            self._check_model(request.model)
+            self.check_model(request.model)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:

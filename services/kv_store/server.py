@@ -11,10 +11,12 @@ import asyncio
 import logging
 
 from common.config import MeshConfig
+from common.metrics import close_metrics, serve_metrics
 from common.transfer.factory import create_transfer
 from protos.pdmesh.v1 import kv_store_pb2, kv_store_pb2_grpc
 from services.node import grpc_util
 from services.node.engine_node import transfer_options
+from services.kv_store.metrics import kv_store_registry
 from services.kv_store.redis_tier import RedisTier
 from services.kv_store.servicer import KVStoreServicer
 from services.kv_store.store import KVStore
@@ -57,6 +59,8 @@ async def create_server(mesh: MeshConfig, port: int | None = None, credentials=N
     period = min(t.kv_store_pin_lease_s, t.kv_store_reserve_lease_s, 2.0) / 4
     server.store = store
     server.expiry = asyncio.get_running_loop().create_task(_expire_loop(store, period))
+    server.metrics_server = await serve_metrics(kv_store_registry(store), cfg.host, cfg.metrics_port,
+                                                "kv-store")   # None when metrics_port is 0
     log.info("kv-store serving at %s:%d (transfer %s at %s; %.0f MB per key space; Redis %s)",
              cfg.host, bound, transfer.name, transfer.endpoint, cfg.capacity_mb,
              cfg.redis_url or "off")
@@ -65,6 +69,7 @@ async def create_server(mesh: MeshConfig, port: int | None = None, credentials=N
 
 async def stop_server(server, grace: float = 1.0) -> None:
     server.expiry.cancel()
+    await close_metrics(server)
     await server.stop(grace)
     await server.store.close()
     server.store.transfer.close()

@@ -19,6 +19,7 @@ heartbeat, deregister and route.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from common.config import POLICIES
@@ -63,6 +64,9 @@ class MetaControl:
         self.candidate_id = ""
         self.leader_ready = True        # False while a new leader reloads the admin state
         self.take_over_task = None
+        # (node_id, role, policy) -> requests routed there under that policy; never
+        # forgotten (Prometheus counters: services/meta_server/metrics.py)
+        self.routed_total: Counter[tuple[str, str, str]] = Counter()
 
     # ---- membership ---------------------------------------------------------------
     def standby_reason(self) -> str | None:
@@ -90,8 +94,12 @@ class MetaControl:
         self.registry.deregister(node_id, instance_id)
 
     def route(self, request: RouteRequest) -> RouteDecision:
-        return self.router.route(self.registry.alive(), request, self.admin.policy(),
-                                 self.admin.drained_node_ids())
+        policy = self.admin.policy()
+        decision = self.router.route(self.registry.alive(), request, policy, self.admin.drained_node_ids())
+        for m in (decision.decode, decision.prefill):
+            if m is not None:
+                self.routed_total[(m.node_id, m.role, policy)] += 1
+        return decision
 
     def live_members(self) -> list[Member]:
         return self.registry.alive()

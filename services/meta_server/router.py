@@ -90,6 +90,9 @@ class Router:
         self._turns = {"decode": itertools.count(), "prefill": itertools.count()}
         self.num_routed = 0
         self.num_local_prefill = 0
+        # prompt blocks routed, and of those the ones the prefilling node was predicted to
+        # hold (its PrefixIndex): the router's prefix hit rate (dashboard)
+        self.num_query_blocks = self.num_hit_blocks = 0
         self.routed_by_node: Counter[str] = Counter()
         self.node_roles: dict[str, str] = {}
 
@@ -144,6 +147,9 @@ class Router:
         return (len(hashes) - hit) + self.load_penalty_blocks * member.load_score()
 
     def _record(self, decision: RouteDecision, hashes: tuple[bytes, ...]) -> None:
+        prefiller = decision.prefill or decision.decode     # its predicted hit, before recording
+        self.num_query_blocks += len(hashes)
+        self.num_hit_blocks += self.index.prefix_hit(prefiller.node_id, hashes)
         for m in (decision.decode, decision.prefill):
             if m is not None:
                 m.routed_since_heartbeat += 1

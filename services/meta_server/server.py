@@ -19,12 +19,14 @@ import logging
 
 from common.cluster.base import ETCD_EXPIRY_CHECK_S, Backoff, election_ttl_seconds
 from common.config import MetaConfig
+from common.metrics import serve_metrics
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
 from services.node import grpc_util
 from services.meta_server.admin_servicer import MetaAdminServicer
 from services.meta_server.admin_state import (AdminState, AdminStateUnavailableError, InMemoryAdminState,
                                               StoreAdminState)
 from services.meta_server.control import MetaControl
+from services.meta_server.metrics import meta_registry
 from services.meta_server.registry import create_registry
 from services.meta_server.store_hits import StoreHits
 from services.meta_server.router import Router
@@ -64,11 +66,18 @@ async def create_server(cfg: MetaConfig, port: int | None = None,
     await server.start()
     await grpc_util.mark_serving(health, SERVICE_NAMES)
     server.control = control
+    server.metrics_server = await serve_metrics(meta_registry(control), cfg.host, cfg.metrics_port,
+                                                "meta-server")   # None when metrics_port is 0
+    server.dashboard = await _dashboard(cfg, control, kv_store_address, credentials)   # None when off
     if cluster is not None:
         control.candidate_id = f"{cfg.advertise_host or cfg.host}:{bound}"
         await campaign(control, cluster, cfg.ttl_seconds)
 
     async def close_extras() -> None:
+        if server.metrics_server is not None:
+            await server.metrics_server.close()
+        if server.dashboard is not None:
+            await server.dashboard.close()
         if control.election is not None:
             await control.election.resign()
         await control.registry.close()
@@ -81,6 +90,18 @@ async def create_server(cfg: MetaConfig, port: int | None = None,
     log.info("meta-server serving at %s:%d (policy %s, ttl %.1fs)", cfg.host, bound, admin.policy(),
              cfg.ttl_seconds)
     return server, bound
+
+
+async def _dashboard(cfg: MetaConfig, control: MetaControl, kv_store_address: str, credentials):
+    """The KV-memory dashboard on cfg.dashboard_port (services/meta_server/dashboard), behind
+    the admin token; None when the port is 0 (or taken)."""
+    if not cfg.dashboard_port:
+        return None
+    from services.meta_server.dashboard.cluster_view import ClusterView
+    from services.meta_server.dashboard.http import serve_dashboard
+    from services.security.credentials import process_credentials
+    token = (credentials or process_credentials()).admin_token
+    return await serve_dashboard(ClusterView(control, kv_store_address), token, cfg.host, cfg.dashboard_port)
 
 
 async def campaign(control: MetaControl, cluster, ttl_s: float) -> None:

@@ -21,6 +21,7 @@ from common.transfer.factory import create_transfer
 from protos.pdmesh.v1 import common_pb2, engine_pb2
 from services.node import grpc_util
 from services.kv_store.client import KVStoreClient
+from services.node.metrics import NodeMetrics
 from services.node.node_registration import NodeRegistration, create_registration
 
 log = logging.getLogger("pdmesh.node")
@@ -78,6 +79,7 @@ class EngineNode:
         self.stalled = False        # set by NodeHealth: reported in load.stalled
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.peer_limits = grpc_util.PeerLimits(grpc_util.MAX_CALLS_PER_PEER)   # calls to peer nodes
+        self.metrics = NodeMetrics(node.node_id, self.engine.snapshot, self.transfer)   # served by the node server
 
     def node_info(self) -> common_pb2.NodeInfo:
         stats = self.engine.snapshot()
@@ -91,7 +93,10 @@ class EngineNode:
     def load(self, stats: dict[str, int]) -> common_pb2.NodeLoad:
         return common_pb2.NodeLoad(running=stats["running"] + stats["kv_remote"],
                                    waiting=stats["waiting"], free_blocks=stats["free_blocks"],
-                                   total_blocks=stats["total_blocks"], stalled=self.stalled)
+                                   total_blocks=stats["total_blocks"], stalled=self.stalled,
+                                   cached_blocks=stats["cached_blocks"],
+                                   quarantined_blocks=stats["quarantined_blocks"],
+                                   transfer_bytes_written=self.transfer.bytes_written)
 
     async def engine_stats(self, pending_transfers: int = 0) -> engine_pb2.EngineStats:
         s = await self.engine.stats()

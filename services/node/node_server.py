@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from common.config import MeshConfig, NodeConfig
+from common.metrics import close_metrics, serve_metrics
 from protos.pdmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.node import grpc_util
 from services.node.engine_node import EngineNode
@@ -41,6 +42,9 @@ async def create_node_server(mesh: MeshConfig, node_cfg: NodeConfig, port: int |
     health = grpc_util.add_health_and_reflection(server, names)
     bound = grpc_util.bind(server, node_cfg.host, node_cfg.port if port is None else port)
     await server.start()
+    # before joining: a taken metrics port fails the start with the node still out of the mesh
+    server.metrics_server = await serve_metrics(node.metrics.registry, node_cfg.host, node_cfg.metrics_port,
+                                                node_cfg.node_id)   # None when metrics_port is 0
     node.start(f"{node_cfg.advertised_host}:{bound}")
     await grpc_util.mark_serving(health, names)
     server.node = node
@@ -55,6 +59,7 @@ async def create_node_server(mesh: MeshConfig, node_cfg: NodeConfig, port: int |
 async def stop_node_server(server, grace: float = 1.0) -> None:
     """A prefill node first drains its KV writes (see PrefillServicer.drain): a decode
     node frees quarantined blocks once this port refuses connections."""
+    await close_metrics(server)
     await server.health.close()
     drain = getattr(server.servicer, "drain", None)
     if drain is not None:

@@ -133,6 +133,8 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
                 nbytes = await pusher.finish()
                 done = time.perf_counter()
                 finished = True
+                self.node.metrics.queue_time.observe(out.queue_s)
+                self.node.metrics.kv_transfer.observe(done - computed)
         except TransferError as e:
             log.warning("KV push of %s to %s failed: %s", rid, dest.transfer_endpoint, e)
             failure = (grpc.StatusCode.UNAVAILABLE, f"KV transfer to {dest.node_id} failed: {e}")

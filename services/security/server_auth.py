@@ -65,10 +65,23 @@ def _metadata(details) -> tuple[bytes | None, bytes | None]:
         if isinstance(value, str):
             value = value.encode("utf-8", "replace")
         if key == "authorization" and value[:7].lower() == b"bearer ":
-            bearer = value[7:].strip()
+            bearer = bearer_token(value)
         elif key == SECRET_METADATA:
             secret = value
     return bearer, secret
+
+
+def public_caller_allowed(creds: MeshCredentials, bearer: bytes | None) -> bool:
+    """Whether a caller of the public API (gRPC Gateway, OpenAI HTTP) holding `bearer`
+    may call: the gateway has no API keys, or bearer is one of them or the admin token."""
+    return not creds.api_keys or _matches_any(bearer, creds.api_keys) or _matches(bearer, creds.admin_token)
+
+
+def bearer_token(authorization: bytes | None) -> bytes | None:
+    """KEY of an `authorization: Bearer KEY` value (metadata or HTTP header), else None."""
+    if authorization is None or authorization[:7].lower() != b"bearer ":
+        return None
+    return authorization[7:].strip()
 
 
 class Refusal(Exception):
@@ -100,7 +113,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         c = self.creds
         is_client_key = _matches_any(bearer, c.api_keys)
         if kind == PUBLIC:
-            if not c.api_keys or is_client_key or _matches(bearer, c.admin_token):
+            if public_caller_allowed(c, bearer):
                 return True
             raise _unauthenticated("missing or unknown API key: send metadata `authorization: Bearer KEY`")
         if kind == ADMIN:

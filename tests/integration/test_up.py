@@ -20,6 +20,7 @@ import yaml
 
 from common.engine.cpu_budget import parse_cpu_list
 from services.cli.client import stream_generate
+from services.node.grpc_util import free_port
 from services.security.client_auth import client_channel
 from tests.channels import operator_channel
 
@@ -34,6 +35,7 @@ def write_config(tmp_path: Path, model: Path, *, bind_any: bool = False) -> Path
     raw = yaml.safe_load((ROOT / "deploy" / "local.yaml").read_text())
     raw["model"] = str(model)
     raw["engine"]["num_blocks"] = 256
+    raw["gateway"]["http_port"] = free_port()   # 0 would turn the HTTP API off
     for section in (raw["meta_server"], raw["gateway"], raw["kv_store"], *raw["nodes"]):
         section["port"] = 0
         if bind_any:

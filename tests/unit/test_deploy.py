@@ -84,6 +84,7 @@ def test_gateway_port_is_published(services, parsed, mesh):
     assert mesh.gateway.host == "0.0.0.0"
     published = [str(p).split(":") for p in services[gw].get("ports", [])]
     assert [str(mesh.gateway.port)] in [p[-1:] for p in published]
+    assert mesh.gateway.http_port and [str(mesh.gateway.http_port)] in [p[-1:] for p in published]
 
 
 def test_model_is_made_into_the_volume_every_service_reads(services, parsed, mesh):
@@ -101,7 +102,8 @@ def test_local_yaml_loads_with_distinct_fixed_ports():
     mesh = load_mesh_config(str(LOCAL))
     assert mesh.tiny_arch == "llama" and mesh.model == "models/tiny-llama"
     assert sorted(n.role for n in mesh.nodes) == ["decode", "prefill"]
-    ports = [mesh.meta.port, mesh.gateway.port, mesh.kv_store.port, *(n.port for n in mesh.nodes)]
+    ports = [mesh.meta.port, mesh.gateway.port, mesh.gateway.http_port, mesh.kv_store.port,
+             *(n.port for n in mesh.nodes)]
     assert len(set(ports)) == len(ports) and all(p > 0 for p in ports)
     hosts = {mesh.meta.host, mesh.gateway.host, mesh.transfer.hostname, mesh.kv_store.host,
              *(n.host for n in mesh.nodes)}

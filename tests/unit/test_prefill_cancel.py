@@ -21,6 +21,7 @@ from common.transfer.kv_writes import KVSender
 from common.transfer.layout import KVLayout
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.node.members_view import MembersView
+from services.node.metrics import NodeMetrics
 from services.prefill.servicer import PrefillServicer
 from tests.channels import operator_channel
 
@@ -35,6 +36,7 @@ def test_unary_cancel_of_a_queued_prefill_ends_it_cancelled(tiny_model):
     node = SimpleNamespace(engine=AsyncEngine(engine), sender=KVSender(src, layout),
                            executor=ThreadPoolExecutor(2), kv_store=None, layout=layout,
                            node=NodeConfig("prefill", "prefill-0"), mesh=SimpleNamespace(timeouts=TimeoutConfig(), transfer=TransferConfig(backend="fake")))
+    node.metrics = NodeMetrics("prefill-0", node.engine.snapshot, src)
     decode_0 = common_pb2.NodeInfo(node_id="decode-0", role="decode", transfer_endpoint=dst.endpoint,
                                    kv_layout=KVLayout.of_tensor(dest_kv).to_proto())
     servicer = PrefillServicer(node, MembersView.static([decode_0]))

@@ -43,18 +43,24 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class NodeLoad(_message.Message):
-    __slots__ = ("running", "waiting", "free_blocks", "total_blocks", "stalled")
+    __slots__ = ("running", "waiting", "free_blocks", "total_blocks", "stalled", "cached_blocks", "quarantined_blocks", "transfer_bytes_written")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STALLED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     free_blocks: int
     total_blocks: int
     stalled: bool
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., stalled: _Optional[bool] = ...) -> None: ...
+    cached_blocks: int
+    quarantined_blocks: int
+    transfer_bytes_written: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., stalled: _Optional[bool] = ..., cached_blocks: _Optional[int] = ..., quarantined_blocks: _Optional[int] = ..., transfer_bytes_written: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("dtype", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "base_address", "strides")

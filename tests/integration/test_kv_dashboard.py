@@ -1,0 +1,128 @@
+"""The meta-server's KV-memory dashboard in a real browser (Debian's chromium driven by
+Playwright) against a real mesh (1 prefill + 2 decode, TTL 2 s): the page lists every
+node, the decode tier's used-block bars grow while long requests run and go back to
+zero after, a drained node shows as draining; `pdmesh top --once` shows the nodes.
+Skips only when chromium is not installed (`make sysdeps` installs it)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
+from services.cli.launcher import ROOT
+from tests.channels import operator_channel_sync
+from tests.integration.test_mesh import request, stream
+from tests.server_process import free_port
+
+CHROMIUM = shutil.which("chromium")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make sysdeps)")
+NODES = [("prefill", "prefill-0"), ("decode", "decode-0"), ("decode", "decode-1")]
+NODE_IDS = [node_id for _, node_id in NODES]
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_model, start_mesh):
+    port = free_port()
+    mesh = start_mesh(tiny_model("llama"), nodes=NODES, ttl_seconds=2.0, dashboard_port=port)
+    mesh.dashboard_url = f"http://127.0.0.1:{port}"
+    yield mesh
+    mesh.stop()
+
+
+@pytest.fixture(scope="module")
+def page(mesh):
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True)
+        page = browser.new_page()
+        page.goto(f"{mesh.dashboard_url}/dashboard?token={os.environ['PDMESH_ADMIN_TOKEN']}")
+        yield page
+        browser.close()
+
+
+def rows(page) -> dict[str, dict[str, str]]:
+    """node_id -> the row's data attributes (state, used, cached, free, quarantined, total)."""
+    return page.eval_on_selector_all("tr.node", "rs => Object.fromEntries(rs.map(r => [r.dataset.nodeId, "
+                                                 "Object.assign({}, r.dataset)]))")
+
+
+def wait_for(page, predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        seen = rows(page)
+        if predicate(seen):
+            return seen
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: last seen {seen}")
+
+
+def decode_used(seen) -> int:
+    return sum(int(seen[n]["used"]) for n in ("decode-0", "decode-1") if n in seen)
+
+
+def test_page_lists_every_node(page):
+    seen = wait_for(page, lambda s: sorted(s) == sorted(NODE_IDS), 15, "every node listed")
+    assert {n: seen[n]["state"] for n in NODE_IDS} == dict.fromkeys(NODE_IDS, "up")
+    assert {seen[n]["role"] for n in NODE_IDS} == {"prefill", "decode"}
+    for n in NODE_IDS:
+        r = seen[n]
+        assert int(r["total"]) == 512
+        assert sum(int(r[k]) for k in ("used", "quarantined", "cached", "free")) == 512
+    # the bar's segments carry the same numbers
+    widths = page.eval_on_selector_all('tr.node[data-node-id="decode-0"] .seg',
+                                       "ss => ss.map(s => [s.dataset.segment, s.dataset.blocks])")
+    assert [k for k, _ in widths] == ["used", "quarantined", "cached", "free"]
+
+
+def test_used_bar_grows_while_requests_run_then_returns_to_zero(page, mesh):
+    wait_for(page, lambda s: len(s) == 3 and decode_used(s) == 0, 20, "idle before")
+    rng = random.Random(3)
+    reqs = [request([rng.randrange(1, 1000) for _ in range(300)], max_tokens=200) for _ in range(4)]
+    results = []
+
+    def send():
+        async def all_of_them():
+            return await asyncio.gather(*(stream(mesh.gateway_address, r) for r in reqs))
+        results.extend(asyncio.run(all_of_them()))
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        busy = wait_for(page, lambda s: decode_used(s) >= 4 * 19, 60, "used blocks grow while requests run")
+    finally:
+        sender.join(120)
+    assert len(results) == 4 and all(len(tokens) == 200 for tokens, _, _ in results)
+    assert sum(int(busy[n]["free"]) + int(busy[n]["cached"]) for n in ("decode-0", "decode-1")) < 2 * 512
+    after = wait_for(page, lambda s: all(int(s[n]["used"]) == 0 and int(s[n]["quarantined"]) == 0
+                                         for n in NODE_IDS), 20, "used back to zero")
+    # the prompts' full blocks stay as prefix cache
+    assert sum(int(after[n]["cached"]) for n in NODE_IDS) > 0
+
+
+def test_drained_node_shows_draining_and_top_once(page, mesh):
+    with operator_channel_sync(mesh.meta_address) as ch:
+        admin = meta_pb2_grpc.MetaAdminStub(ch)
+        admin.DrainNode(meta_pb2.DrainNodeRequest(node_id="decode-1"), timeout=5)
+        try:
+            seen = wait_for(page, lambda s: s.get("decode-1", {}).get("state") == "draining", 10,
+                            "decode-1 draining")
+            assert seen["decode-0"]["state"] == "up"
+            assert page.inner_text('tr.node[data-node-id="decode-1"] td.state') == "draining"
+            top = subprocess.run([sys.executable, "-m", "services.cli", "top", "--dashboard", mesh.dashboard_url,
+                                  "--once"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                                 env={**os.environ, "COLUMNS": "250"})
+            assert top.returncode == 0, top.stderr
+            for node_id in NODE_IDS:
+                assert node_id in top.stdout
+            line = next(l for l in top.stdout.splitlines() if "decode-1" in l)
+            assert "draining" in line
+        finally:
+            admin.UndrainNode(meta_pb2.UndrainNodeRequest(node_id="decode-1"), timeout=5)

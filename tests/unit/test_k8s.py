@@ -1,0 +1,349 @@
+"""deploy/k8s/ renders, is valid Kubernetes, and agrees with the mesh config and the CLI:
+each overlay (cpu, ascend, nvidia) is rendered with `kubectl kustomize` (when kubectl is
+installed; else with the small kustomize subset below, which is checked against kubectl
+where both exist), every object is validated offline against the Kubernetes schemas
+(kubernetes-validate, strict), and probes, Services, ports, addresses, metrics ports,
+secrets and the accelerator resources line up with the ConfigMap's mesh config, in the
+spirit of test_deploy's compose checks."""
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from common.config import mesh_config_from_dict
+from services.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+OVERLAYS = ("cpu", "ascend", "nvidia")
+K8S_VERSION = "1.31.0"      # a version kubernetes-validate ships schemas for (native gRPC probes: GA in 1.27)
+WORKLOADS = ("Deployment", "StatefulSet")
+ENGINE_ROLES = ("prefill", "decode", "both")
+CANN_MOUNTS = ("/usr/local/dcmi", "/usr/local/bin/npu-smi", "/usr/local/Ascend/driver/lib64",
+               "/usr/local/Ascend/driver/version.info", "/etc/ascend_install.info")
+ACCELERATOR = {"cpu": (None, "cpu"), "ascend": ("huawei.com/Ascend910", "npu"), "nvidia": ("nvidia.com/gpu", "cuda")}
+SECRET_ENV = {"PDMESH_CLUSTER_SECRET_FILE": "cluster_secret", "PDMESH_ADMIN_TOKEN_FILE": "admin_token",
+              "PDMESH_API_KEYS_FILE": "api_keys"}
+
+
+# --- the kustomize subset these manifests use: resources, namespace, labels (pairs,
+# includeTemplates), configMapGenerator (files; behavior create | replace; no name
+# suffix), patches (strategic merge, lists merged by the Kubernetes merge keys) ---
+
+MERGE_KEYS = {"containers": "name", "initContainers": "name", "volumes": "name", "env": "name",
+              "volumeMounts": "mountPath", "ports": "containerPort"}
+
+
+def _merge(base, patch, key=None):
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for k, v in patch.items():
+            out[k] = _merge(base[k], v, k) if k in base else v
+        return out
+    if isinstance(base, list) and isinstance(patch, list) and key in MERGE_KEYS:
+        mk, out = MERGE_KEYS[key], list(base)
+        keys = [b.get(mk) for b in base]
+        for item in patch:   # merged in place; new items go first, in the patch's order (as kustomize)
+            if item.get(mk) in keys:
+                at = keys.index(item.get(mk))
+                out[at] = _merge(out[at], item)
+        new = [item for item in patch if item.get(mk) not in keys]
+        return new + out
+    return patch
+
+
+def _build(folder: Path) -> list[dict]:
+    k = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    objs: list[dict] = []
+    for res in k.get("resources", []):
+        path = folder / res
+        objs += _build(path) if path.is_dir() else [o for o in yaml.safe_load_all(path.read_text()) if o]
+    for gen in k.get("configMapGenerator", []):
+        data = {}
+        for f in gen["files"]:
+            name, _, src = f.rpartition("=") if "=" in f else (f, "", f)
+            data[name] = (folder / src).read_text()
+        cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]}, "data": data}
+        if gen.get("behavior") == "replace":   # keeps the metadata the base gave it
+            [old] = [o for o in objs if (o["kind"], o["metadata"]["name"]) == ("ConfigMap", gen["name"])]
+            old["data"] = data
+        else:
+            objs.append(cm)
+    for p in k.get("patches", []):
+        patch = yaml.safe_load((folder / p["path"]).read_text())
+        [at] = [i for i, o in enumerate(objs) if (o["kind"], o["metadata"]["name"]) ==
+                (patch["kind"], patch["metadata"]["name"])]
+        objs[at] = _merge(objs[at], patch)
+    for o in objs:
+        if "namespace" in k and o["kind"] != "Namespace":
+            o["metadata"]["namespace"] = k["namespace"]
+        for entry in k.get("labels", []):
+            o["metadata"].setdefault("labels", {}).update(entry["pairs"])
+            if entry.get("includeTemplates") and o["kind"] in WORKLOADS:
+                o["spec"]["template"]["metadata"].setdefault("labels", {}).update(entry["pairs"])
+                for claim in o["spec"].get("volumeClaimTemplates", []):
+                    claim["metadata"].setdefault("labels", {}).update(entry["pairs"])
+    return objs
+
+
+def _by_key(objs: list[dict]) -> dict:
+    return {(o["kind"], o["metadata"]["name"]): o for o in objs}
+
+
+def _kubectl_kustomize(folder: Path) -> list[dict]:
+    proc = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return [o for o in yaml.safe_load_all(proc.stdout) if o]
+
+
+HAVE_KUBECTL = shutil.which("kubectl") is not None
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def overlay(request):
+    """(name, {(kind, name): object}, MeshConfig of its ConfigMap)."""
+    folder = K8S / "overlays" / request.param
+    objs = _kubectl_kustomize(folder) if HAVE_KUBECTL else _build(folder)
+    by_key = _by_key(objs)
+    assert len(by_key) == len(objs), "duplicate objects"
+    [cm] = [o for o in objs if o["kind"] == "ConfigMap"]
+    raw = yaml.safe_load(cm["data"]["mesh.yaml"])
+    return request.param, by_key, mesh_config_from_dict(raw), raw
+
+
+@pytest.mark.skipif(not HAVE_KUBECTL, reason="kubectl not installed")
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_fallback_renderer_agrees_with_kubectl(name):
+    folder = K8S / "overlays" / name
+    assert _by_key(_build(folder)) == _by_key(_kubectl_kustomize(folder))
+
+
+def test_every_object_is_valid_kubernetes(overlay):
+    _, objs, _, _ = overlay
+    for (kind, name), obj in objs.items():
+        try:
+            kubernetes_validate.validate(copy.deepcopy(obj), K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{kind}/{name}: {'.'.join(map(str, e.path))}: {e.message}")
+        assert obj["metadata"].get("namespace", "pdmesh") == "pdmesh"
+
+
+# --- helpers over the rendered objects ---
+
+def _workloads(objs):
+    return {name: o for (kind, name), o in objs.items() if kind in WORKLOADS}
+
+
+def _serve(workload):
+    """(argparse.Namespace, container) of the workload's `pdmesh serve` container, or None."""
+    for c in workload["spec"]["template"]["spec"]["containers"]:
+        if c.get("image", "").startswith("pdmesh:"):
+            return build_parser().parse_args(c["args"]), c
+    return None
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def _service_port(objs, host: str, port: int):
+    """The Service `host` (a Service name, or POD.SERVICE of a StatefulSet's pod) and the
+    workload it selects, after checking that it serves `port` on a container port."""
+    pod, _, svc_name = host.rpartition(".") if "." in host else ("", "", host)
+    svc = objs.get(("Service", svc_name))
+    assert svc is not None, f"{host}: no Service {svc_name}"
+    [sp] = [p for p in svc["spec"]["ports"] if p["port"] == port] or [None]
+    assert sp is not None, f"Service {svc_name} has no port {port}"
+    [wl] = [w for w in _workloads(objs).values()
+            if _selects(svc["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])]
+    if pod:
+        name, _, ordinal = pod.rpartition("-")
+        assert wl["kind"] == "StatefulSet" and wl["metadata"]["name"] == name, host
+        assert wl["spec"]["serviceName"] == svc_name and int(ordinal) < wl["spec"]["replicas"], host
+    ports = {p["name"]: p["containerPort"] for c in wl["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+    assert ports.get(sp["targetPort"], sp["targetPort"]) == port, f"{svc_name}:{port} targets {sp['targetPort']}"
+    return svc, wl
+
+
+# --- ports, probes, Services ---
+
+def test_probes_and_services_target_container_ports(overlay):
+    _, objs, _, _ = overlay
+    for name, wl in _workloads(objs).items():
+        for c in wl["spec"]["template"]["spec"]["containers"]:
+            ports = {p["containerPort"] for p in c["ports"]} | {p["name"] for p in c["ports"]}
+            probes = [c[p] for p in ("startupProbe", "readinessProbe", "livenessProbe") if p in c]
+            assert "readinessProbe" in c and "livenessProbe" in c, f"{name}/{c['name']}"
+            for probe in probes:
+                [(kind, action)] = [(k, v) for k, v in probe.items() if k in ("grpc", "httpGet", "tcpSocket")]
+                assert action["port"] in ports, f"{name}/{c['name']} {kind} probe port {action['port']}"
+                if c.get("image", "").startswith("pdmesh:"):
+                    assert kind == "grpc", f"{name}: pdmesh services serve grpc.health.v1"
+            res = c.get("resources", {})
+            assert {"cpu", "memory"} <= set(res.get("requests", {})) and "memory" in res.get("limits", {}), \
+                f"{name}/{c['name']}: resource requests and a memory limit"
+    for (kind, name), svc in objs.items():
+        if kind == "Service":
+            matched = [w for w in _workloads(objs).values()
+                       if _selects(svc["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])]
+            assert len(matched) == 1, f"Service {name} selects {[w['metadata']['name'] for w in matched]}"
+            for p in svc["spec"]["ports"]:
+                _service_port(objs, name, p["port"])
+    for name, wl in _workloads(objs).items():
+        assert wl["spec"]["selector"]["matchLabels"].items() <= wl["spec"]["template"]["metadata"]["labels"].items()
+        if wl["kind"] == "StatefulSet":
+            assert objs[("Service", wl["spec"]["serviceName"])]["spec"]["clusterIP"] == "None", name
+
+
+def test_every_service_of_the_mesh_runs_once_from_the_configmap(overlay):
+    _, objs, mesh, _ = overlay
+    served = {}
+    for name, wl in _workloads(objs).items():
+        found = _serve(wl)
+        if found is None:
+            continue
+        args, c = found
+        assert args.command == "serve" and args.port is None and args.meta == "" and args.metrics_port is None, \
+            f"{name}: ports and addresses come from the config"
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        [cm_volume] = [v for v in wl["spec"]["template"]["spec"]["volumes"] if "configMap" in v]
+        assert cm_volume["configMap"]["name"] == "pdmesh-config"
+        assert args.config == f"{mounts[cm_volume['name']]}/mesh.yaml", name
+        key = args.node_id if args.role in ENGINE_ROLES else args.role
+        assert key not in served, f"{key} runs in {served.get(key)} and {name}"
+        served[key] = name
+        if args.role in ENGINE_ROLES:
+            assert mesh.node(args.node_id).role == args.role
+            assert wl["kind"] == "Deployment" and wl["spec"]["replicas"] == 1, \
+                f"{name}: a node_id is one pod (a second would be refused as a live node_id)"
+            assert wl["spec"]["strategy"]["type"] == "Recreate", name
+    assert sorted(served) == sorted(["meta-server", "gateway", "kv-store", *(n.node_id for n in mesh.nodes)])
+    meta = _workloads(objs)[served["meta-server"]]
+    assert meta["kind"] == "StatefulSet" and meta["spec"]["replicas"] == 2 and mesh.etcd_endpoint, \
+        "two meta-servers electing a leader on etcd"
+    assert "ENTRYPOINT [\"pdmesh\"]" in (ROOT / "deploy" / "Dockerfile").read_text()
+
+
+def test_config_addresses_name_services_with_those_ports(overlay):
+    _, objs, mesh, _ = overlay
+    assert mesh.meta.host == mesh.gateway.host == mesh.kv_store.host == "0.0.0.0"
+    _service_port(objs, mesh.meta.advertise_host, mesh.meta.port)
+    meta_wl = _workloads(objs)["meta-server"]
+    assert sorted(mesh.gateway.meta_addresses) == [f"meta-server-{i}.meta-server:{mesh.meta.port}"
+                                                   for i in range(meta_wl["spec"]["replicas"])]
+    for address in mesh.gateway.meta_addresses:
+        host, _, port = address.rpartition(":")
+        _service_port(objs, host, int(port))
+    _service_port(objs, "gateway", mesh.gateway.port)
+    _service_port(objs, "gateway", mesh.gateway.http_port)
+    host, _, port = mesh.etcd_endpoint.rpartition(":")
+    _, etcd = _service_port(objs, host, int(port))
+    assert etcd["kind"] == "StatefulSet" and etcd["metadata"]["name"] == "etcd"
+    args = etcd["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert f"--listen-client-urls=http://0.0.0.0:{port}" in args
+    members = next(a for a in args if a.startswith("--initial-cluster=")).split("=", 1)[1].split(",")
+    assert len(members) == etcd["spec"]["replicas"]
+    host, port = mesh.kv_store.redis_url.removeprefix("redis://").split("/")[0].split(":")
+    _service_port(objs, host, int(port))
+    # the kv-store's and each node's address is also its Mooncake endpoint (ports Mooncake
+    # picks): a headless Service that resolves to the pod, published before it is ready
+    assert mesh.transfer.hostname == ""
+    endpoints = [(mesh.kv_store.advertise_host, mesh.kv_store.port, "kv-store", None)]
+    endpoints += [(n.advertised_host, n.port, n.role, n.node_id) for n in mesh.nodes]
+    for host, port, role, node_id in endpoints:
+        svc, wl = _service_port(objs, host, port)
+        assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"], host
+        args, _ = _serve(wl)
+        assert (args.role, args.node_id or None) == (role, node_id), host
+    for node in mesh.nodes:
+        assert node.host == "0.0.0.0" and node.advertise_host == node.node_id
+
+
+def test_metrics_ports_are_configured_exposed_and_scraped(overlay):
+    _, objs, mesh, _ = overlay
+    want = {"meta-server": mesh.meta.metrics_port, "gateway": mesh.gateway.metrics_port,
+            "kv-store": mesh.kv_store.metrics_port, **{n.node_id: n.metrics_port for n in mesh.nodes}}
+    assert sorted(want.values()) == list(range(9100, 9100 + len(want))), want
+    for name, wl in _workloads(objs).items():
+        if _serve(wl) is None:
+            continue
+        args, c = _serve(wl)
+        port = want[args.node_id if args.role in ENGINE_ROLES else args.role]
+        notes = wl["spec"]["template"]["metadata"]["annotations"]
+        assert notes == {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+                         "prometheus.io/path": "/metrics"}, name
+        assert {"name": "metrics", "containerPort": port} in c["ports"], name
+
+
+def test_secrets_reach_every_service_as_files_named_by_env(overlay):
+    """docs/security.md: the Secret's files mounted read-only, named by PDMESH_*_FILE;
+    only the gateway holds the API keys; nothing secret on a command line."""
+    _, objs, _, _ = overlay
+    assert ("Secret", "pdmesh-secrets") not in objs, "no secret value is committed"
+    for name, wl in _workloads(objs).items():
+        if _serve(wl) is None:
+            continue
+        args, c = _serve(wl)
+        env = {e["name"]: e["value"] for e in c.get("env", []) if e["name"] in SECRET_ENV}
+        want = [k for k in SECRET_ENV if k != "PDMESH_API_KEYS_FILE" or args.role == "gateway"]
+        assert sorted(env) == sorted(want), name
+        [vol] = [v for v in wl["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+        assert vol["secret"]["secretName"] == "pdmesh-secrets" and vol["secret"]["defaultMode"] == 0o400
+        [mount] = [m for m in c["volumeMounts"] if m["name"] == vol["name"]]
+        assert mount["readOnly"]
+        files = {f"{mount['mountPath']}/{i['path']}": i["key"] for i in vol["secret"]["items"]}
+        assert files == {path: SECRET_ENV[var] for var, path in env.items()}, name
+        assert not any("secret" in a.lower() or "token" in a.lower() for a in c["args"]), name
+
+
+def test_the_model_is_made_where_the_services_read_it(overlay):
+    _, objs, mesh, _ = overlay
+    for name, wl in _workloads(objs).items():
+        if _serve(wl) is None or _serve(wl)[0].role in ("meta-server", "kv-store"):   # those need no model
+            continue
+        spec = wl["spec"]["template"]["spec"]
+        [maker] = spec["initContainers"]
+        margs = build_parser().parse_args(maker["args"])
+        assert margs.command == "make-tiny-model" and margs.out == mesh.model and margs.arch == mesh.tiny_arch
+        assert margs.if_missing
+        _, c = _serve(wl)
+        for container in (maker, c):
+            mounts = [m["mountPath"] for m in container["volumeMounts"]]
+            assert any(mesh.model.startswith(m.rstrip("/") + "/") for m in mounts), f"{name}/{container['name']}"
+
+
+def test_accelerators_of_each_overlay(overlay):
+    name, objs, mesh, raw = overlay
+    resource, device = ACCELERATOR[name]
+    assert mesh.engine_config().device == device
+    base = yaml.safe_load((K8S / "base" / "mesh.yaml").read_text())
+    assert {k: v for k, v in raw.items() if k not in ("engine", "transfer")} == \
+        {k: v for k, v in base.items() if k not in ("engine", "transfer")}, "overlays change only engine, transfer"
+    if name == "ascend":
+        assert mesh.transfer.protocol == "ascend"
+    for wl_name, wl in _workloads(objs).items():
+        found = _serve(wl)
+        if found is None:
+            continue
+        args, c = found
+        limits = c["resources"]["limits"]
+        spec = wl["spec"]["template"]["spec"]
+        host_paths = {v["name"]: v["hostPath"]["path"] for v in spec.get("volumes", []) if "hostPath" in v}
+        mounted = {m["mountPath"] for m in c["volumeMounts"] if host_paths.get(m["name"]) == m["mountPath"]}
+        if args.role in ENGINE_ROLES and resource is not None:
+            assert limits.get(resource) == 1, wl_name
+            assert c["image"] == f"pdmesh:{device if name == 'nvidia' else name}", wl_name
+        else:
+            assert not {k for k in limits if "/" in k}, f"{wl_name}: no accelerator"
+            assert c["image"] == "pdmesh:cpu", wl_name
+        if args.role in ENGINE_ROLES and name == "ascend":
+            assert set(CANN_MOUNTS) | {"/etc/hccn.conf"} <= mounted, wl_name
+            assert all(m["readOnly"] for m in c["volumeMounts"] if m["mountPath"] in mounted)
+        else:
+            assert not host_paths, f"{wl_name}: no host mounts"
