@@ -24,7 +24,10 @@ naming those files; one line says where. Where the running mesh and its client
 credentials are is recorded in ~/.pdmesh/mesh.json ($PDMESH_STATE_DIR), paths only, so
 that `pdmesh generate --gateway` and `pdmesh admin` work without flags; removed at stop.
 
-Supervising: a service that exits is started again with the same arguments, after a
+Supervising: every HEALTH_POLL_S each service's grpc.health is asked; a status line says
+when one turns unhealthy (NOT_SERVING, or no answer within HEALTH_CHECK_S: stopped,
+stalled, overloaded) and when it is healthy again. A service that exits is started again
+with the same arguments, after a
 back-off that doubles with each restart of it within RESTART_WINDOW_S (0.5 s up to
 MAX_BACKOFF_S), with a status line for the exit and one for the restart; the others keep
 serving meanwhile. The mesh is stopped only on Ctrl-C / SIGTERM, or when one service
@@ -104,6 +107,66 @@ def _print_failed_logs(mesh, num_lines: int = 15) -> None:
 
 MAX_START_FAILURES = 5
 FIRST_BACKOFF_S, MAX_BACKOFF_S, RESTART_WINDOW_S = 0.5, 10.0, 60.0
+# Health as seen by an operator: asked often enough that a status line follows a change
+# within about a second, with a deadline short enough that one silent service does not
+# hold up the loop that notices exits (5 services x HEALTH_CHECK_S at worst).
+HEALTH_POLL_S, HEALTH_CHECK_S = 1.0, 0.3
+
+
+class _HealthWatch:
+    """Each running service's last grpc.health answer; a status line when it changes."""
+
+    def __init__(self, mesh) -> None:
+        self.mesh = mesh
+        self.unhealthy: dict[str, str] = {}   # name -> why, while unhealthy
+        self.next_poll = time.monotonic() + HEALTH_POLL_S
+        self._channels: dict[str, tuple[str, object]] = {}   # name -> (address, channel)
+
+    def poll(self) -> None:
+        if time.monotonic() < self.next_poll:
+            return
+        self.next_poll = time.monotonic() + HEALTH_POLL_S
+        for name, svc in self.mesh.services.items():
+            if svc.process is None or svc.process.poll() is not None:
+                continue   # an exit has its own lines
+            why = self._ask(name, svc.address)
+            if why and name not in self.unhealthy:
+                self.unhealthy[name] = why
+                print(svc.status(f"unhealthy ({why})"), flush=True)
+            elif not why and name in self.unhealthy:
+                del self.unhealthy[name]
+                print(svc.status("healthy again"), flush=True)
+
+    def restarted(self, name: str) -> None:
+        """Its restart said it is healthy; a new process may listen elsewhere."""
+        self.unhealthy.pop(name, None)
+        self._drop(name)
+
+    def close(self) -> None:
+        for name in list(self._channels):
+            self._drop(name)
+
+    def _ask(self, name: str, address: str) -> str:
+        """"" when SERVING, else why not."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        from services.security.client_auth import client_channel
+        if name in self._channels and self._channels[name][0] != address:
+            self._drop(name)
+        if name not in self._channels:
+            self._channels[name] = (address, client_channel(address, tls=self.mesh.client_tls(), sync=True))
+        stub = health_pb2_grpc.HealthStub(self._channels[name][1])
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_CHECK_S)
+        except grpc.RpcError as e:
+            return "no answer" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else e.code().name
+        return "" if reply.status == health_pb2.HealthCheckResponse.SERVING else \
+            health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def _drop(self, name: str) -> None:
+        entry = self._channels.pop(name, None)
+        if entry is not None:
+            entry[1].close()
 
 
 class _Restarts:
@@ -122,8 +185,17 @@ def _supervise(mesh, start_timeout_s: float) -> int:
     """Restart what exits, until a signal (KeyboardInterrupt) or until one service failed
     to start MAX_START_FAILURES times in a row (-> 1)."""
     restarts = {name: _Restarts() for name in mesh.services}
+    health = _HealthWatch(mesh)
+    try:
+        return _supervise_with(mesh, start_timeout_s, restarts, health)
+    finally:
+        health.close()
+
+
+def _supervise_with(mesh, start_timeout_s: float, restarts: dict, health: _HealthWatch) -> int:
     while True:
         time.sleep(0.2)
+        health.poll()
         for name, svc in mesh.services.items():
             if svc.process.poll() is None:
                 continue
@@ -135,6 +207,7 @@ def _supervise(mesh, start_timeout_s: float) -> int:
             state.times.append(time.monotonic())
             try:
                 mesh.restart(name, timeout_s=start_timeout_s)
+                health.restarted(name)
                 state.failed_starts = 0
             except (RuntimeError, TimeoutError) as e:
                 mesh.kill(name)   # started but never healthy: try again after the back-off

@@ -190,8 +190,9 @@ RESTARTED = re.compile(r"^(\S+)\s+\S+\s+restarted at \S+ \(pid (\d+), cores .*\)
 
 @pytest.mark.timeout(180)
 def test_up_restarts_a_service_that_dies_and_keeps_serving(tmp_path, model_dir):
-    """kill -9 of the prefill node and of the decode node: `up` says so, starts each
-    again with back-off, and the mesh serves; SIGTERM still stops everything with 0."""
+    """A stopped decode node: `up` says it is unhealthy, then healthy again once resumed.
+    kill -9 of the prefill node and of the decode node: `up` says so, starts each again
+    with back-off, and the mesh serves; SIGTERM still stops everything with 0."""
     up = Up(write_config(tmp_path, model_dir), tmp_path / "logs")
     try:
         address = up.wait_for(READY, 90)[1]
@@ -200,6 +201,13 @@ def test_up_restarts_a_service_that_dies_and_keeps_serving(tmp_path, model_dir):
             async with operator_channel(address) as channel:
                 return await stream_generate(channel, "Hello there", max_tokens=8, ignore_eos=True)
         want = asyncio.run(one()).token_ids
+        stopped = up.pids()["decode-0"]       # a stopped node: one line when it goes, one when it is back
+        os.killpg(stopped, signal.SIGSTOP)
+        try:
+            up.wait_for(re.compile(r"^decode-0\s+decode\s+unhealthy \(no answer\) at \S+ \(pid \d+"), 10)
+        finally:
+            os.killpg(stopped, signal.SIGCONT)
+        up.wait_for(re.compile(r"^decode-0\s+decode\s+healthy again at "), 10)
         for name in ("prefill-0", "decode-0"):
             old_pid = up.pids()[name] if name not in restarted_pids(up) else restarted_pids(up)[name]
             os.killpg(old_pid, signal.SIGKILL)
