@@ -36,6 +36,7 @@ def write_config(tmp_path: Path, model: Path, *, bind_any: bool = False) -> Path
     raw["model"] = str(model)
     raw["engine"]["num_blocks"] = 256
     raw["gateway"]["http_port"] = free_port()   # 0 would turn the HTTP API off
+    raw["meta_server"]["dashboard_port"] = free_port()
     for section in (raw["meta_server"], raw["gateway"], raw["kv_store"], *raw["nodes"]):
         section["port"] = 0
         if bind_any:
