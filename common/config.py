@@ -125,6 +125,10 @@ class MetaConfig:
                              f"got {self.dashboard_port!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"meta_server.policy must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("local_prefill_max_tokens", "prefill_queue_threshold"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"meta_server.{name} must be an integer >= 0 (0 = off), got {value!r}")
         if self.ttl_seconds <= 0:
             raise ValueError(f"meta_server.ttl_seconds must be > 0, got {self.ttl_seconds}")
 

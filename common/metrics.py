@@ -9,8 +9,10 @@ Names follow vLLM's with a `pdmesh:` prefix (`vllm:time_to_first_token_seconds` 
 `pdmesh:time_to_first_token_seconds`); engine metrics carry the label `node`.
 
 MetricsServer answers `GET /metrics` (the text exposition format) on the service's event
-loop: a scrape reads the service's counters on the thread that changes them, so no
-collector needs a lock. Anything else is 404 (405 for another method).
+loop. The gateway's, meta-server's and kv-store's counters change on that loop too; an
+engine node's gauges read the engine's counts while its step thread may change them
+(LLMEngine.stats: single atomic reads, used + free from one), so a scrape may be a step
+old and no collector takes a lock. Anything else is 404 (405 for another method).
 """
 from __future__ import annotations
 

@@ -301,11 +301,15 @@ class LLMEngine:
         return self.block_manager.num_used_blocks
 
     def stats(self) -> dict[str, int]:
+        """Counts only. Another thread may read them while a step runs (EngineView.snapshot:
+        metrics, heartbeats): each count is one atomic read, so a set of them may be a step
+        apart; used and free come from one read, so they always add up to the total."""
         bm = self.block_manager
         sched = self.scheduler
+        free = bm.num_free_blocks
         return {"running": len(sched.running) + len(sched.ready), "waiting": len(sched.waiting),
                 "kv_remote": len(sched.remote), "held": len(sched.held),
-                "free_blocks": bm.num_free_blocks, "used_blocks": bm.num_used_blocks,
+                "free_blocks": free, "used_blocks": bm.num_blocks - free,
                 "total_blocks": bm.num_blocks, "prefix_hit_tokens": bm.num_hits,
                 "prefix_query_tokens": bm.num_queries, "preemptions": sched.num_preemptions,
                 "quarantined_blocks": sched.num_quarantined_blocks, "cached_blocks": bm.num_cached_blocks}

@@ -129,6 +129,7 @@ class Scheduler:
             i += 1
         if out.preempted:
             return out
+        self.admit_remote()   # seats and blocks freed since: remote ones need no budget
         while self.waiting and self.num_seats_taken < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if not bm.allocate(seq):

@@ -167,6 +167,7 @@ class MeshProcesses:
         m = self.mesh
         fixed = [("meta-server", m.meta.host, m.meta.port), ("gateway", m.gateway.host, m.gateway.port),
                  ("gateway HTTP", m.gateway.host, m.gateway.http_port),
+                 ("meta-server dashboard", m.meta.host, m.meta.dashboard_port),
                  *((n.node_id, n.host, n.port) for n in m.nodes)]
         if m.kv_store is not None:
             fixed.append(("kv-store", m.kv_store.host, m.kv_store.port))

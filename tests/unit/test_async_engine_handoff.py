@@ -186,3 +186,25 @@ def test_admit_remote_passes_local_prefills_only_with_what_they_leave_and_room_f
     for s in (running, r1, r2, r3, big):
         sched.abort(s)
     assert bm.num_used_blocks == 0
+
+
+def test_a_step_admits_a_remote_prefill_behind_local_ones_once_blocks_free():
+    bm = BlockManager(8, 16)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=32)
+    admitted: list[str] = []
+    sched.on_remote_admit = lambda s: admitted.append(s.request_id)
+    first = _seq("first", 40, 0)
+    sched.add(first)
+    sched.schedule()                                  # first: 3 blocks, 5 free
+    local, remote = _seq("local", 64, 1), _seq("remote", 16, 2, True)
+    sched.add(local)
+    sched.add(remote)
+    sched.admit_remote()                              # local's 4 blocks + 1 for first's next token: no room
+    assert admitted == [] and list(sched.waiting) == [local, remote]
+    sched.abort(first)                                # blocks free; no new remote request comes
+    sched.schedule()                                  # local takes the whole budget; remote needs none
+    assert admitted == ["remote"] and [s.request_id for s in sched.running] == ["local"]
+    assert (remote.block_ids, local.block_ids) == ([0], [1, 2, 3, 4])
+    for s in (local, remote):
+        sched.abort(s)
+    assert bm.num_used_blocks == 0

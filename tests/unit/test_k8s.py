@@ -347,3 +347,21 @@ def test_accelerators_of_each_overlay(overlay):
             assert all(m["readOnly"] for m in c["volumeMounts"] if m["mountPath"] in mounted)
         else:
             assert not host_paths, f"{wl_name}: no host mounts"
+
+
+def test_only_the_mesh_reaches_its_pods_but_clients_reach_the_gateways_public_ports(overlay):
+    _, objs, _, _ = overlay
+    policies = {name: o["spec"] for (kind, name), o in objs.items() if kind == "NetworkPolicy"}
+    assert sorted(policies) == ["pdmesh-gateway-public", "pdmesh-internal", "pdmesh-metrics-scrape"]
+    internal = policies["pdmesh-internal"]
+    assert internal["podSelector"] == {} and internal["policyTypes"] == ["Ingress"]
+    assert internal["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "pdmesh"}}}]}]
+    for workload in _workloads(objs).values():   # every pod carries the label the policy admits
+        assert workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/part-of"] == "pdmesh"
+    public = policies["pdmesh-gateway-public"]
+    [gateway] = [w for w in _workloads(objs).values()
+                 if _selects(public["podSelector"]["matchLabels"], w["spec"]["template"]["metadata"]["labels"])]
+    named = {p["name"] for c in gateway["spec"]["template"]["spec"]["containers"] for p in c.get("ports", ())}
+    assert [p["port"] for p in public["ingress"][0]["ports"]] == ["grpc", "http"] and {"grpc", "http"} <= named
+    assert "from" not in public["ingress"][0]
+    assert policies["pdmesh-metrics-scrape"]["ingress"][0]["ports"] == [{"port": "metrics"}]

@@ -182,3 +182,11 @@ def test_restart_and_forget_reset_what_the_router_knows():
     assert router.index.prefix_hit("d0", hashes) == 0 and router.routed_by_node["d0"] == 1
     router.forget("d0")
     assert "d0" not in router.routed_by_node and "d0" not in router.node_roles
+
+
+@pytest.mark.parametrize("field", ["local_prefill_max_tokens", "prefill_queue_threshold"])
+@pytest.mark.parametrize("value", [-1, "2", 1.5, True])
+def test_conditional_disaggregation_fields_are_integers_of_at_least_zero(field, value):
+    from common.config import MetaConfig
+    with pytest.raises(ValueError, match=rf"^meta_server\.{field} must be an integer >= 0 \(0 = off\), got "):
+        MetaConfig(**{field: value})

@@ -162,9 +162,13 @@ class _Routes:
         size = sum(len(json.dumps(m, ensure_ascii=False).encode("utf-8")) for m in messages)
         if size > limit:
             raise bad_request(bytes_over_limit("messages", size, "max_prompt_bytes", limit), "messages")
+        extra = dict(body.chat_template_kwargs or {})
+        reserved = sorted(set(extra) & self.chat_template.reserved_names)
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {reserved}: the request's own fields "
+                              "and the model's special tokens set those", "chat_template_kwargs")
         try:
-            text = self.chat_template.render(messages, body.add_generation_prompt,
-                                             **(body.chat_template_kwargs or {}))
+            text = self.chat_template.render(messages, body.add_generation_prompt, **extra)
         except TemplateError as e:
             raise bad_request(str(e), "messages") from None
         try:

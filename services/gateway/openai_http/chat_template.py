@@ -64,6 +64,8 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise TemplateError(f"the model's chat template does not parse: {e}") from None
         self.special_tokens = {name: "" for name in SPECIAL_TOKENS} | dict(special_tokens or {})
+        # what render() sets itself; a caller's keyword of the same name would collide
+        self.reserved_names = frozenset({"messages", "add_generation_prompt", *self.special_tokens})
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ChatTemplate | None":

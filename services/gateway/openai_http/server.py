@@ -19,6 +19,8 @@ import tempfile
 
 import uvicorn
 
+from services.gateway.openai_http.body_limit import MAX_BODY_BYTES, MAX_CONCURRENCY, BodyLimit
+
 
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
@@ -27,9 +29,11 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app, host: str, port: int, tls=None):
-        """tls: services.security.credentials.TLSFiles with the gateway's certificate, or None."""
+    def __init__(self, app, host: str, port: int, tls=None, max_body_bytes: int = MAX_BODY_BYTES):
+        """tls: services.security.credentials.TLSFiles with the gateway's certificate, or None;
+        bodies past max_body_bytes get 413 (body_limit.py)."""
         self.app, self.host, self.port, self.tls = app, host, port, tls
+        self.max_body_bytes = max_body_bytes
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
 
@@ -43,8 +47,9 @@ class HttpServer:
         """Serve; returns the bound port. RuntimeError if host:port cannot be bound."""
         sock = _bind(self.host, self.port)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=1, server_header=False)
+        config = uvicorn.Config(BodyLimit(self.app, self.max_body_bytes), log_config=None, access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=1, server_header=False,
+                                limit_concurrency=MAX_CONCURRENCY)
         config.load()
         if self.tls is not None:
             config.ssl = _ssl_context(self.tls)
