@@ -67,10 +67,16 @@ class EngineConfig:
         return cls(model=str(model), **kwargs)
 
 
-def check_metrics_port(section: str, port) -> None:
-    """metrics_port: where the service serves GET /metrics (common/metrics.py); 0 = off."""
+def check_optional_port(field: str, port) -> None:
+    """A port a service may open beside its gRPC one (metrics_port, dashboard_port,
+    http_port); 0 = off. ValueError naming `field` ("gateway.http_port") otherwise."""
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-        raise ValueError(f"{section}.metrics_port must be an integer in [0, 65535] (0 = off), got {port!r}")
+        raise ValueError(f"{field} must be an integer in [0, 65535] (0 = off), got {port!r}")
+
+
+def check_metrics_port(section: str, port) -> None:
+    """metrics_port: where the service serves GET /metrics (common/metrics.py)."""
+    check_optional_port(f"{section}.metrics_port", port)
 
 
 ROLES = ("prefill", "decode", "both")
@@ -119,10 +125,7 @@ class MetaConfig:
 
     def __post_init__(self) -> None:
         check_metrics_port("meta_server", self.metrics_port)
-        if not isinstance(self.dashboard_port, int) or isinstance(self.dashboard_port, bool) \
-                or not 0 <= self.dashboard_port <= 65535:
-            raise ValueError("meta_server.dashboard_port must be an integer in [0, 65535] (0 = off), "
-                             f"got {self.dashboard_port!r}")
+        check_optional_port("meta_server.dashboard_port", self.dashboard_port)
         if self.policy not in POLICIES:
             raise ValueError(f"meta_server.policy must be one of {POLICIES}, got {self.policy!r}")
         for name in ("local_prefill_max_tokens", "prefill_queue_threshold"):
@@ -156,8 +159,7 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         check_metrics_port("gateway", self.metrics_port)
-        if not isinstance(self.http_port, int) or isinstance(self.http_port, bool) or not 0 <= self.http_port <= 65535:
-            raise ValueError(f"gateway.http_port must be an integer in [0, 65535] (0 = off), got {self.http_port!r}")
+        check_optional_port("gateway.http_port", self.http_port)
         if not isinstance(self.max_migrations, int) or self.max_migrations < 0:
             raise ValueError(f"gateway.max_migrations must be an integer >= 0, got {self.max_migrations!r}")
 

@@ -51,8 +51,10 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 def iter_checkpoint(model_dir: str | Path, progress: TextIO | None = None) -> Iterator[tuple[str, torch.Tensor, Path]]:
     """progress: where the bar goes; None = stderr, shown only when it is a terminal."""
     files = checkpoint_files(model_dir)
-    num_tensors = sum(len(_header(path)) for path in files)
-    bar = tqdm(total=sum(_tensor_bytes(path) for path in files), unit="B", unit_scale=True, unit_divisor=1024,
+    headers = [_header(path) for path in files]
+    num_tensors = sum(len(h) for h in headers)
+    tensor_bytes = sum(end - begin for h in headers for begin, end in (t["data_offsets"] for t in h.values()))
+    bar = tqdm(total=tensor_bytes, unit="B", unit_scale=True, unit_divisor=1024,
                desc="loading weights", file=progress if progress is not None else sys.stderr,
                disable=None if progress is None else False, mininterval=0.5)
     loaded = 0
@@ -79,7 +81,3 @@ def _header(path: Path) -> dict:
         header = json.loads(f.read(size))
     header.pop("__metadata__", None)
     return header
-
-
-def _tensor_bytes(path: Path) -> int:
-    return sum(end - begin for begin, end in (t["data_offsets"] for t in _header(path).values()))
