@@ -17,7 +17,21 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop=list(msg.stop),
         stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
+
+
+def logprobs_to_proto(entry: dict[int, float]) -> common_pb2.TokenLogprobs:
+    """The engine's logprobs of one position (sampled token first, then the top ones)."""
+    return common_pb2.TokenLogprobs(token_ids=list(entry), logprobs=list(entry.values()))
+
+
+def logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> dict[int, float]:
+    """Inverse of logprobs_to_proto; ValueError when the two lists differ in length."""
+    if len(msg.token_ids) != len(msg.logprobs) or not msg.token_ids:
+        raise ValueError(f"TokenLogprobs has {len(msg.token_ids)} token_ids and {len(msg.logprobs)} "
+                         "logprobs; they must be as many, at least one")
+    return dict(zip(msg.token_ids, msg.logprobs))
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> common_pb2.Usage:

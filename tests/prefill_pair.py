@@ -87,10 +87,13 @@ class PrefillPair:
     def remote(self, rid: str, prompt: list[int], params: SamplingParams, deadline_s: float = 30.0,
                fallbacks: int = 0) -> RemotePrefill:
         info = common_pb2.NodeInfo(node_id="prefill-0", role="prefill", address=self.address)
+        sampling = common_pb2.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
+                                             ignore_eos=params.ignore_eos)
+        if params.logprobs is not None:
+            sampling.logprobs = params.logprobs
         request = engine_pb2.DecodeRequest(
             request_id=rid, prompt_token_ids=prompt, prefill=info, prefill_fallbacks=[info] * fallbacks,
-            sampling=common_pb2.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
-                                               ignore_eos=params.ignore_eos))
+            sampling=sampling)
         return RemotePrefill(self.decode_node, request, time.monotonic() + deadline_s)
 
     async def close(self) -> None:

@@ -324,7 +324,7 @@ class AsyncEngine(EngineView):
         """Engine side (in_forward): the first token is emitted here, at once."""
         try:
             if filled.first_token is not None:
-                self.engine.commit_remote(request_id, filled.first_token)
+                self.engine.commit_remote(request_id, filled.first_token, filled.first_logprobs)
             else:
                 self.engine.commit_loaded(request_id, filled.num_tokens)
         except ValueError as e:   # the fill answered, so its writes have ended

@@ -194,18 +194,37 @@ class LLMEngine:
         seq = self._requests.get(request_id)
         return seq if seq is not None and seq.state == RequestState.KV_REMOTE else None
 
-    def commit_remote(self, request_id: str, first_token: int) -> bool:
+    def commit_remote(self, request_id: str, first_token: int,
+                      logprobs: dict[int, float] | None = None) -> bool:
         """The prefill node wrote the prompt's KV into this sequence's blocks and sampled
-        its first token: it is emitted, and the sequence joins the batch. False when the
-        request is not waiting for a remote prefill (aborted meanwhile)."""
+        its first token (with its logprobs, which a request that asked for them must get):
+        it is emitted, and the sequence joins the batch. False when the request is not
+        waiting for a remote prefill (aborted meanwhile); ValueError when the token or
+        its logprobs cannot be this request's."""
         seq = self._remote_seq(request_id)
         if seq is None:
             return False
         if not 0 <= first_token < self.vocab_size:
             raise ValueError(f"first_token {first_token} is outside the vocabulary")
+        self._check_remote_logprobs(seq, first_token, logprobs)
         self.scheduler.kv_landed(seq, len(seq))
-        self._append(seq, first_token, None)
+        self._append(seq, first_token, logprobs if seq.params.logprobs is not None else None)
         return True
+
+    def _check_remote_logprobs(self, seq: Sequence, first_token: int,
+                               logprobs: dict[int, float] | None) -> None:
+        want = seq.params.logprobs
+        if want is None:
+            return
+        if logprobs is None:
+            raise ValueError("the request asked for logprobs and the prefill node sent none")
+        ids = list(logprobs)
+        if ids[0] != first_token or len(ids) > want + 1 or len(ids) < max(want, 1):
+            raise ValueError(f"the first token's logprobs name tokens {ids[:want + 2]}; expected "
+                             f"{first_token} first and {want} top tokens")
+        if not all(0 <= t < self.vocab_size for t in ids) or not all(v <= 0.0 for v in logprobs.values()):
+            raise ValueError("the first token's logprobs hold a token outside the vocabulary or a "
+                             "logprob above 0")
 
     def commit_loaded(self, request_id: str, num_tokens: int) -> bool:
         """A KV_REMOTE sequence's blocks now hold the KV of its first num_tokens prompt

@@ -14,10 +14,12 @@ from typing import Protocol
 @dataclass(frozen=True)
 class KVFilled:
     """What a RemoteKV put in the blocks: the KV of the first num_tokens prompt tokens,
-    and the first token when a prefill node sampled it (then num_tokens is the prompt)."""
+    and the first token when a prefill node sampled it (then num_tokens is the prompt),
+    with its logprobs when the request asked for them."""
 
     num_tokens: int
     first_token: int | None = None
+    first_logprobs: dict[int, float] | None = None
 
 
 class RemoteKV(Protocol):

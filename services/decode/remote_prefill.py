@@ -40,6 +40,7 @@ import grpc
 from common.engine.remote_kv import KVFilled
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.node.grpc_util import refuses_connections
+from services.convert import logprobs_from_proto
 
 log = logging.getLogger("pdmesh.decode")
 SETTLED_KEY = "pdmesh-writes-settled"   # trailing metadata of a status the prefill node answered
@@ -111,7 +112,10 @@ class RemotePrefill:
             finally:
                 slot.release()
             self._unsettled = False
-            return KVFilled(len(self.request.prompt_token_ids), self.reply.first_token_id)
+            logprobs = None
+            if self.reply.HasField("first_token_logprobs"):
+                logprobs = logprobs_from_proto(self.reply.first_token_logprobs)
+            return KVFilled(len(self.request.prompt_token_ids), self.reply.first_token_id, logprobs)
         raise RuntimeError(f"every prefill node is full ({self.num_refused} refused)")
 
     async def cancel(self) -> bool:

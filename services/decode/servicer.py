@@ -24,7 +24,7 @@ import grpc
 from common.engine.async_engine import EngineDeadError
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from common.engine.validation import validate_resume_position
-from services.convert import sampling_from_proto, usage
+from services.convert import logprobs_to_proto, sampling_from_proto, usage
 from services.decode.remote_prefill import RemotePrefill
 from services.node.engine_node import EngineNode
 
@@ -59,6 +59,8 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             async for out in engine.generate(rid, prompt, params, remote=remote,
                                              resume_position=request.resume_position):
                 reply = engine_pb2.DecodeResponse(token_ids=out.new_token_ids)
+                if out.new_logprobs:
+                    reply.logprobs.extend(logprobs_to_proto(lp) for lp in out.new_logprobs)
                 if num_out == 0:
                     reply.prefill_timing.CopyFrom(self._timing(remote, out, time.perf_counter() - start))
                     self.node.metrics.queue_time.observe(out.queue_s)

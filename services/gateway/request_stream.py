@@ -201,7 +201,7 @@ class RequestStream:
     def _reply(self, msg: engine_pb2.DecodeResponse, first: bool) -> tuple[gateway_pb2.GenerateResponse, bool]:
         """The client's message for msg, and whether it is the last one."""
         text, stopped = self.matcher.feed(self.detok.add(msg.token_ids))
-        reply = gateway_pb2.GenerateResponse(token_ids=msg.token_ids)
+        reply = gateway_pb2.GenerateResponse(token_ids=msg.token_ids, logprobs=msg.logprobs)
         if first:
             reply.prefill_timing.CopyFrom(msg.prefill_timing)
         self.tokens.extend(msg.token_ids)

@@ -37,7 +37,7 @@ from common.transfer.base import TransferError
 from common.transfer.layout import KVLayout
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from common.engine.validation import validate_resume_position
-from services.convert import sampling_from_proto
+from services.convert import logprobs_to_proto, sampling_from_proto
 from services.decode.remote_prefill import SETTLED_KEY
 from services.node.members_view import MembersView
 from services.prefill.destination_check import DestinationCheck, DestinationRefused
@@ -152,9 +152,12 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         timing = common_pb2.PrefillTiming(
             remote=True, queue_ms=out.queue_s * 1e3, compute_ms=(computed - start - out.queue_s) * 1e3,
             transfer_ms=(done - computed) * 1e3)
-        return engine_pb2.PrefillResponse(first_token_id=out.new_token_ids[0],
-                                          num_cached_tokens=out.num_cached_tokens,
-                                          timing=timing, bytes_written=nbytes)
+        reply = engine_pb2.PrefillResponse(first_token_id=out.new_token_ids[0],
+                                           num_cached_tokens=out.num_cached_tokens,
+                                           timing=timing, bytes_written=nbytes)
+        if out.new_logprobs:
+            reply.first_token_logprobs.CopyFrom(logprobs_to_proto(out.new_logprobs[0]))
+        return reply
 
     def _remember_unsettled(self, request_id: str, pusher: KVPusher) -> None:
         """A write of this request may land until its pusher is settled (every write call

@@ -205,6 +205,89 @@ def test_curl_streams_server_sent_events_ending_with_done(base_url, key, model_i
     assert set(usage["usage"]["prompt_tokens_details"]) == {"cached_tokens"}
 
 
+NUM_TOP = 3
+LOGPROB_TOL = 2e-4   # the mesh's batches are not the offline engine's: float32 sums differ in order
+
+
+@pytest.fixture(scope="module")
+def offline_logprobs(model):
+    """The offline engine's tokens and logprobs (the sampled token and the top NUM_TOP)
+    of PROMPTS[0]."""
+    llm = LLM(str(model), **ENGINE)
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}],
+                       [SamplingParams(max_tokens=MAX_TOKENS[0], temperature=0.0, ignore_eos=True,
+                                       logprobs=NUM_TOP)])[0].outputs[0]
+    return out.token_ids, out.logprobs
+
+
+def _near(got: dict[int, float], want: dict[int, float]) -> None:
+    assert set(got) == set(want)
+    for t in want:
+        assert abs(got[t] - want[t]) <= LOGPROB_TOL, (t, got[t], want[t])
+
+
+def test_grpc_logprobs_come_through_the_remote_prefill(mesh, offline_logprobs):
+    """The first token's logprobs were computed by the prefill node (prefill_timing.remote):
+    they travel prefill -> decode -> gateway; the rest come from the decode node."""
+    want_tokens, want = offline_logprobs
+    tokens, _, msgs = asyncio.run(stream(mesh.gateway_address, request(PROMPTS[0], max_tokens=MAX_TOKENS[0],
+                                                                       logprobs=NUM_TOP)))
+    assert msgs[0].prefill_timing.remote, "the prompt was prefilled on the prefill node"
+    entries = [e for m in msgs for e in m.logprobs]
+    assert tokens == want_tokens and len(entries) == len(tokens)
+    for tok, entry, w in zip(tokens, entries, want):
+        assert entry.token_ids[0] == tok
+        _near(dict(zip(entry.token_ids, entry.logprobs)), w)
+    plain = asyncio.run(stream(mesh.gateway_address, request(PROMPTS[0], max_tokens=MAX_TOKENS[0])))[2]
+    assert not any(m.logprobs for m in plain), "no logprobs unless asked for"
+
+
+def test_completion_logprobs_in_openai_shape(client, model_id, model, offline_logprobs):
+    want_tokens, want = offline_logprobs
+    tok = Tokenizer.from_dir(model)
+    out = client.completions.create(model=model_id, prompt=PROMPTS[0], max_tokens=MAX_TOKENS[0], temperature=0,
+                                    logprobs=NUM_TOP, extra_body={"ignore_eos": True, "return_token_ids": True})
+    [choice] = out.choices
+    lp = choice.logprobs
+    assert choice.token_ids == want_tokens
+    assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in want_tokens]
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for t, got, top, w in zip(want_tokens, lp.token_logprobs, lp.top_logprobs, want):
+        assert abs(got - w[t]) <= LOGPROB_TOL
+        best = sorted(w.items(), key=lambda p: -p[1])[:NUM_TOP]
+        assert list(top) == [tok.decode([i], skip_special_tokens=False) for i, _ in best]
+    chunks = list(client.completions.create(model=model_id, prompt=PROMPTS[0], max_tokens=MAX_TOKENS[0],
+                                            temperature=0, logprobs=NUM_TOP, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    streamed = [(t, o) for ch in chunks for t, o in zip(ch.choices[0].logprobs.tokens,
+                                                        ch.choices[0].logprobs.text_offset)]
+    assert streamed == list(zip(lp.tokens, lp.text_offset)), "offsets continue across chunks"
+
+
+def test_chat_logprobs_equal_grpc(mesh, client, base_url, key, model_id, chat_ids, model):
+    tokens, _, msgs = asyncio.run(stream(mesh.gateway_address, request(chat_ids, max_tokens=10, logprobs=2)))
+    entries = [e for m in msgs for e in m.logprobs]
+    tok = Tokenizer.from_dir(model)
+    out = client.chat.completions.create(model=model_id, messages=CHAT, max_completion_tokens=10, temperature=0,
+                                         logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert [c.token for c in content] == [tok.decode([t], skip_special_tokens=False) for t in tokens]
+    for c, t, e in zip(content, tokens, entries):
+        assert abs(c.logprob - e.logprobs[0]) <= LOGPROB_TOL
+        assert c.bytes == list(tok.token_bytes(t)) if tok.is_byte_level else list(c.token.encode())
+        best = sorted(zip(e.token_ids, e.logprobs), key=lambda p: -p[1])[:2]
+        assert [x.token for x in c.top_logprobs] == [tok.decode([i], skip_special_tokens=False) for i, _ in best]
+    chunks = list(client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=10, temperature=0,
+                                                 logprobs=True, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for c in ch.choices[0].logprobs.content]
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert all(c.top_logprobs == [] for c in streamed), "top_logprobs unset: none"
+    plain = client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=3, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
 @pytest.mark.parametrize("path,body,param", [
     ("/completions", {"prompt": [5, 6], "max_tokens": 0}, "max_tokens"),
     ("/completions", {"prompt": [5, 6], "max_tokens": 5000}, "max_tokens"),
@@ -214,12 +297,15 @@ def test_curl_streams_server_sent_events_ending_with_done(base_url, key, model_i
     ("/completions", {"prompt": [5, 999999]}, "prompt"),
     ("/completions", {"prompt": []}, "prompt"),
     ("/completions", {"prompt": [5, 6], "n": 2}, "n"),
-    ("/completions", {"prompt": [5, 6], "logprobs": 1}, "logprobs"),
+    ("/completions", {"prompt": [5, 6], "logprobs": 21}, "logprobs"),
+    ("/completions", {"prompt": [5, 6], "logprobs": -1}, "logprobs"),
     ("/completions", {"prompt": [5, 6], "stop": ["x" * 1000]}, "stop"),
     ("/completions", {}, "prompt"),
     ("/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages"),
     ("/chat/completions", {"messages": []}, "messages"),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
     ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 4000},
      "max_completion_tokens"),
     ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4000}, "max_tokens"),

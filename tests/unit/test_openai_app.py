@@ -33,6 +33,7 @@ class FakeServicer:
     10 ms, text "t0 t1 ..."; records each request and which replies were closed early."""
 
     model_id, max_model_len, limits = "tiny", 2048, LimitsConfig()
+    tokenizer = None   # token texts are needed for logprobs only (the mesh test has them)
 
     def __init__(self):
         self.tokenizer_pool = FakePool()
@@ -100,7 +101,12 @@ def test_fields_reach_the_grpc_request():
                                                                               "return_token_ids": True})
             await c.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}],
                                             max_completion_tokens=2)
-        req, chat = servicer.requests
+            await c.completions.create(model="tiny", prompt=[7], max_tokens=1, logprobs=0)
+            await c.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=1, logprobs=True, top_logprobs=5)
+        req, chat, with_logprobs, chat_top = servicer.requests
+        assert not req.sampling.HasField("logprobs") and not chat.sampling.HasField("logprobs")
+        assert (with_logprobs.sampling.logprobs, chat_top.sampling.logprobs) == (0, 5)
         assert list(req.prompt_token_ids.ids) == [7, 8] and req.model == "tiny"
         s = req.sampling
         assert (s.max_tokens, round(s.temperature, 4), round(s.top_p, 4), s.top_k, s.seed, list(s.stop), s.ignore_eos) \

@@ -26,16 +26,18 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ..., client_request_id: _Optional[str] = ..., prefill_fallbacks: _Optional[_Iterable[_Union[_common_pb2.NodeInfo, _Mapping]]] = ..., resume_position: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "usage", "prefill_timing")
+    __slots__ = ("token_ids", "finish_reason", "usage", "prefill_timing", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TIMING_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     usage: _common_pb2.Usage
     prefill_timing: _common_pb2.PrefillTiming
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., prefill_timing: _Optional[_Union[_common_pb2.PrefillTiming, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., prefill_timing: _Optional[_Union[_common_pb2.PrefillTiming, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class KVDestination(_message.Message):
     __slots__ = ("node_id", "transfer_endpoint", "layout", "block_ids", "num_cached_tokens")
@@ -66,16 +68,18 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., resume_position: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "num_cached_tokens", "timing", "bytes_written")
+    __slots__ = ("first_token_id", "num_cached_tokens", "timing", "bytes_written", "first_token_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     num_cached_tokens: int
     timing: _common_pb2.PrefillTiming
     bytes_written: int
-    def __init__(self, first_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.PrefillTiming, _Mapping]] = ..., bytes_written: _Optional[int] = ...) -> None: ...
+    first_token_logprobs: _common_pb2.TokenLogprobs
+    def __init__(self, first_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.PrefillTiming, _Mapping]] = ..., bytes_written: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class CancelPrefillRequest(_message.Message):
     __slots__ = ("request_id",)

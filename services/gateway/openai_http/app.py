@@ -33,6 +33,7 @@ from services.gateway import public_errors
 from services.gateway.openai_http import schemas, streaming
 from services.gateway.openai_http.chat_template import ChatTemplate, TemplateError
 from services.gateway.openai_http.errors import CHAT_RENAMES, OpenAIError, bad_request, from_public, unauthenticated
+from services.gateway.openai_http.logprobs import ChatLogprobs, CompletionLogprobs, TokenTexts
 from services.gateway.openai_http.schemas import ChatChunks, CompletionChunks
 from services.gateway.openai_http.streaming import ClientGone, collect, merged, until_disconnected
 from services.gateway.public_errors import PublicError
@@ -53,7 +54,7 @@ def create_app(servicer, credentials, chat_template: ChatTemplate | None) -> Fas
     app = FastAPI(title="pdmesh", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_APIKeyCheck, credentials=credentials)
     created = int(time.time())
-    api = _Routes(servicer, chat_template)
+    api = _Routes(servicer, chat_template, TokenTexts(servicer.tokenizer))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request, exc: RequestValidationError):
@@ -122,8 +123,8 @@ class _APIKeyCheck:
 
 
 class _Routes:
-    def __init__(self, servicer, chat_template: ChatTemplate | None):
-        self.servicer, self.chat_template = servicer, chat_template
+    def __init__(self, servicer, chat_template: ChatTemplate | None, texts: TokenTexts):
+        self.servicer, self.chat_template, self.texts = servicer, chat_template, texts
 
     # ---- /v1/completions ---------------------------------------------------------------
     async def completions(self, body: schemas.CompletionRequest, request: Request) -> Response:
@@ -136,13 +137,15 @@ class _Routes:
         streams = await self._open(reqs, request)
         model = body.model or self.servicer.model_id
         if body.stream:
-            return await streaming.sse(request, self._replies(streams), CompletionChunks(request_id, model, body))
+            return await streaming.sse(request, self._replies(streams),
+                                       CompletionChunks(request_id, model, body, self.texts))
         results = await until_disconnected(request, collect(self._replies(streams), len(reqs)))
         total = [0, 0, 0]
         choices = []
-        for i, (text, ids, finish, usage) in enumerate(results):
+        for i, (text, ids, finish, usage, logprobs) in enumerate(results):
             schemas.add_usage(total, usage)
-            choices.append(schemas.completion_choice(i, text, finish, ids if body.return_token_ids else None))
+            lp = None if body.num_logprobs is None else CompletionLogprobs(self.texts, body.num_logprobs).of(logprobs)
+            choices.append(schemas.completion_choice(i, text, finish, ids if body.return_token_ids else None, lp))
         return JSONResponse({**schemas.envelope(request_id, "text_completion", model, choices),
                              "usage": schemas.usage(*total)})
 
@@ -185,9 +188,11 @@ class _Routes:
         streams = await self._open([req], request, renames)
         model = body.model or servicer.model_id
         if body.stream:
-            return await streaming.sse(request, self._replies(streams), ChatChunks(request_id, model, body))
-        [(text, token_ids, finish, usage)] = await until_disconnected(request, collect(self._replies(streams), 1))
-        choice = schemas.chat_choice(0, text, finish, token_ids if body.return_token_ids else None)
+            return await streaming.sse(request, self._replies(streams), ChatChunks(request_id, model, body, self.texts))
+        [(text, token_ids, finish, usage, logprobs)] = await until_disconnected(
+            request, collect(self._replies(streams), 1))
+        lp = None if body.num_logprobs is None else ChatLogprobs(self.texts, body.num_logprobs).of(logprobs)
+        choice = schemas.chat_choice(0, text, finish, token_ids if body.return_token_ids else None, lp)
         return JSONResponse({**schemas.envelope(request_id, "chat.completion", model, [choice]),
                              "usage": schemas.usage(usage.prompt_tokens, usage.completion_tokens,
                                                     usage.cached_prompt_tokens)})
@@ -275,6 +280,8 @@ def _sampling(body, max_tokens: int, max_tokens_name: str = "max_tokens") -> com
         raise bad_request("top_k must be -1 (disabled) or an integer >= 1, got 0", "top_k")
     if body.seed is not None:
         s.seed = _int("seed", body.seed, 0, 2**64 - 1)
+    if body.num_logprobs is not None:
+        s.logprobs = _int("logprobs", body.num_logprobs, -INT32_MAX, INT32_MAX)
     if body.stop is not None:
         s.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
     for i, t in enumerate(body.stop_token_ids or ()):

@@ -43,7 +43,8 @@ TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permi
 FIELDS = {"prompt": "prompt", "prompt_token_ids": "prompt", "max_tokens": "max_tokens",
           "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
           "sampling.stop": "stop", "stop": "stop", "sampling.stop_token_ids": "stop_token_ids",
-          "stop_token_ids": "stop_token_ids", "model": "model", "messages": "messages"}
+          "stop_token_ids": "stop_token_ids", "model": "model", "messages": "messages",
+          "logprobs": "logprobs"}
 CHAT_RENAMES = {"prompt": "messages"}   # the chat endpoint's prompt is its messages
 _LEADING_NAME = re.compile(r"[a-z_]+(?:\.[a-z_]+)*")
 

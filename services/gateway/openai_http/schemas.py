@@ -6,7 +6,9 @@ each chunk, then carries the ids of its tokens as `token_ids`), `add_generation_
 and `chat_template_kwargs`. Unknown fields are ignored (clients send e.g. `user`).
 Types are checked here (a wrong type is a 400 naming the field); values are checked by
 the gRPC path's own validation (common/engine/validation.py). Fields the mesh cannot
-serve (n > 1, logprobs, echo, penalties, tools, ...) are refused by `unsupported`.
+serve (n > 1, echo, penalties, tools, ...) are refused by `unsupported`. `logprobs`
+(completions: the number of top tokens; chat: `logprobs` + `top_logprobs`) become
+sampling.logprobs; their answers' shapes: logprobs.py.
 
 Responses: `usage` carries `prompt_tokens_details.cached_tokens` (the prompt tokens
 whose KV came from a prefix cache). Streamed chunks (CompletionChunks, ChatChunks): with
@@ -22,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from protos.pdmesh.v1 import common_pb2, gateway_pb2
 from services.gateway.openai_http.errors import CHAT_RENAMES
+from services.gateway.openai_http.logprobs import ChatLogprobs, CompletionLogprobs, TokenTexts
 
 
 class StreamOptions(BaseModel):
@@ -75,9 +78,12 @@ class CompletionRequest(_Request):
     best_of: int | None = None
     suffix: str | None = None
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """sampling.logprobs: the number of top tokens, None = no logprobs."""
+        return self.logprobs
+
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs is not None:
-            return "logprobs", "logprobs is not supported: the mesh's decode stream carries no logprobs"
         if self.echo:
             return "echo", "echo is not supported"
         if self.best_of not in (None, 1):
@@ -103,10 +109,15 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
 
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs or self.top_logprobs:
-            name = "logprobs" if self.logprobs else "top_logprobs"
-            return name, f"{name} is not supported: the mesh's decode stream carries no logprobs"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs is only allowed with logprobs: true"
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            return "top_logprobs", f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs}"
         if self.tools:
             return "tools", "tools are not supported (no tool-call parsing)"
         if self.response_format and self.response_format.get("type") not in (None, "text"):
@@ -133,23 +144,26 @@ def envelope(request_id: str, obj: str, model: str, choices: list[dict], created
             "choices": choices}
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None) -> dict:
-    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason or None}
+def completion_choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None,
+                      logprobs: dict | None = None) -> dict:
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason or None}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return choice
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None) -> dict:
-    choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+def chat_choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None,
+                logprobs: dict | None = None) -> dict:
+    choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
               "finish_reason": finish_reason or None}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return choice
 
 
-def chat_delta(index: int, delta: dict, finish_reason: str | None, token_ids: list[int] | None) -> dict:
-    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason or None}
+def chat_delta(index: int, delta: dict, finish_reason: str | None, token_ids: list[int] | None,
+               logprobs: dict | None = None) -> dict:
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason or None}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return choice
@@ -167,10 +181,28 @@ class CompletionChunks:
     renames = None                     # HTTP field renames for errors (errors.from_public)
     object_name = "text_completion"
 
-    def __init__(self, request_id: str, model: str, body: CompletionRequest):
+    def __init__(self, request_id: str, model: str, body: CompletionRequest, texts: TokenTexts):
         self.id, self.model, self.body = request_id, model, body
         self.created = int(time.time())
         self.total = [0, 0, 0]
+        self.texts = texts
+        self._logprobs: dict[int, CompletionLogprobs | ChatLogprobs] = {}   # per choice index
+
+    def logprobs(self, index: int, reply: gateway_pb2.GenerateResponse) -> dict | None:
+        """The `logprobs` of reply's tokens in choice index, None when not asked for."""
+        if self.body.num_logprobs is None:
+            return None
+        shape = self._logprobs.get(index)
+        if shape is None:
+            shape = self._logprobs[index] = self.logprobs_shape(self.texts, self.body.num_logprobs)
+        return shape.of(reply.logprobs)
+
+    logprobs_shape = CompletionLogprobs
+
+    def has_logprobs(self, reply: gateway_pb2.GenerateResponse) -> bool:
+        """Whether reply has tokens whose logprobs the client asked for (a chunk then
+        carries them even when their text is still held back)."""
+        return self.body.num_logprobs is not None and len(reply.token_ids) > 0
 
     def _chunk(self, choices: list[dict]) -> dict:
         chunk = envelope(self.id, self.object_name, self.model, choices, self.created)
@@ -185,9 +217,10 @@ class CompletionChunks:
         ids = list(reply.token_ids) if self.body.return_token_ids else None
         if reply.finish_reason:
             add_usage(self.total, reply.usage)
-        elif not reply.text and not ids:
+        elif not reply.text and not ids and not self.has_logprobs(reply):
             return []
-        return [self._chunk([completion_choice(index, reply.text, reply.finish_reason, ids)])]
+        return [self._chunk([completion_choice(index, reply.text, reply.finish_reason, ids,
+                                               self.logprobs(index, reply))])]
 
     def closing(self) -> list[dict]:
         if not self.body.include_usage:
@@ -201,6 +234,7 @@ class ChatChunks(CompletionChunks):
 
     renames = CHAT_RENAMES
     object_name = "chat.completion.chunk"
+    logprobs_shape = ChatLogprobs
 
     def opening(self) -> list[dict]:
         return [self._chunk([chat_delta(0, {"role": "assistant", "content": ""}, None, None)])]
@@ -208,8 +242,9 @@ class ChatChunks(CompletionChunks):
     def chunks(self, index: int, reply: gateway_pb2.GenerateResponse) -> list[dict]:
         ids = list(reply.token_ids) if self.body.return_token_ids else None
         out = []
-        if reply.text or ids:
-            out.append(self._chunk([chat_delta(index, {"content": reply.text}, None, ids)]))
+        if reply.text or ids or self.has_logprobs(reply):
+            out.append(self._chunk([chat_delta(index, {"content": reply.text}, None, ids,
+                                               self.logprobs(index, reply))]))
         if reply.finish_reason:
             add_usage(self.total, reply.usage)
             out.append(self._chunk([chat_delta(index, {}, reply.finish_reason, None)]))

@@ -69,20 +69,22 @@ async def merged(iterators: list) -> AsyncIterator[tuple[int, gateway_pb2.Genera
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def collect(replies, num_prompts: int) -> list[tuple[str, list[int], str, common_pb2.Usage]]:
-    """Every prompt's (text, token ids, finish_reason, usage)."""
+async def collect(replies, num_prompts: int) -> list[tuple[str, list[int], str, common_pb2.Usage, list]]:
+    """Every prompt's (text, token ids, finish_reason, usage, TokenLogprobs of its tokens)."""
     texts = [[] for _ in range(num_prompts)]
     ids = [[] for _ in range(num_prompts)]
+    logprobs = [[] for _ in range(num_prompts)]
     finish = [""] * num_prompts
     usage = [common_pb2.Usage() for _ in range(num_prompts)]
     async with aclosing(replies):
         async for i, reply in replies:
             texts[i].append(reply.text)
             ids[i].extend(reply.token_ids)
+            logprobs[i].extend(reply.logprobs)
             if reply.finish_reason:
                 finish[i] = reply.finish_reason
                 usage[i] = reply.usage
-    return [("".join(texts[i]), ids[i], finish[i], usage[i]) for i in range(num_prompts)]
+    return [("".join(texts[i]), ids[i], finish[i], usage[i], logprobs[i]) for i in range(num_prompts)]
 
 
 async def until_disconnected(request: Request, work):
