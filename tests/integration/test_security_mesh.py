@@ -9,10 +9,15 @@ and be the same on both meshes."""
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 import os
+import ssl
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -22,6 +27,7 @@ from protos.pdmesh.v1 import (common_pb2, engine_pb2, engine_pb2_grpc, gateway_p
                               kv_store_pb2, kv_store_pb2_grpc, meta_pb2, meta_pb2_grpc)
 from services.security.client_auth import client_channel
 from services.security.credentials import tls_files
+from services.node.grpc_util import free_port
 from tests.integration.conftest import launch, mesh_dict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +39,8 @@ WITHHELD = {"PDMESH_CLUSTER_SECRET": "", "PDMESH_ADMIN_TOKEN": ""}
 
 
 def _mesh(tmp_path_factory, model, tls_dir: str = ""):
-    raw = mesh_dict(model, NODES, top={"kv_store": {"port": 0, "capacity_mb": 32}})
+    raw = mesh_dict(model, NODES, top={"kv_store": {"port": 0, "capacity_mb": 32},
+                                       "gateway": {"port": 0, "http_port": free_port()}})
     if tls_dir:
         raw["security"] = {"tls_dir": tls_dir}
     return launch(tmp_path_factory.mktemp("secure-mesh"), raw, env=dict(WITHHELD))
@@ -283,6 +290,41 @@ def test_the_cli_works_with_the_generated_credentials_and_refuses_a_wrong_key(me
 
 
 # ---- what only TLS adds ---------------------------------------------------------
+
+
+def _http_get(url: str, key: str | None, context=None) -> tuple[int, dict]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10, context=context) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def test_the_http_api_needs_a_key_and_with_tls_speaks_https_only(mesh, victim):
+    """The OpenAI API on the same mesh: the API key is required, and with TLS the port
+    speaks HTTPS with the gateway's certificate (a client trusting the mesh CA gets the
+    victim's tokens; a plain-HTTP client, or one that does not trust the CA, gets nothing)."""
+    import openai
+    url = mesh.http_address
+    assert url.startswith("https://" if mesh.tls else "http://"), url
+    ca = str(mesh.certs / "ca.crt") if mesh.tls else None
+    context = ssl.create_default_context(cafile=ca) if mesh.tls else None
+    for key in (None, "not-the-key-" + "x" * 20):
+        status, answer = _http_get(url + "/v1/models", key, context)
+        assert status == 401 and answer["error"]["code"] == "invalid_api_key"
+    with openai.DefaultHttpxClient(verify=context or True, timeout=60) as transport, \
+            openai.OpenAI(base_url=url + "/v1", api_key=mesh.api_key(), http_client=transport, max_retries=0) as c:
+        out = c.completions.create(model="", prompt=VICTIM_PROMPT, max_tokens=12, temperature=0,
+                                   extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert out.choices[0].token_ids == victim
+    if not mesh.tls:
+        return
+    with pytest.raises(urllib.error.URLError) as refused:   # the system's CAs do not know the mesh CA
+        _http_get(url + "/v1/models", mesh.api_key(), ssl.create_default_context())
+    assert isinstance(refused.value.reason, ssl.SSLCertVerificationError)
+    with pytest.raises((ConnectionError, http.client.HTTPException, urllib.error.URLError)):
+        _http_get(url.replace("https://", "http://") + "/v1/models", mesh.api_key())
 
 
 def test_with_tls_the_certificates_are_the_identity_and_outsiders_get_nothing(tls_mesh, victim):
