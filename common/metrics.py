@@ -64,7 +64,12 @@ class MetricsServer:
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self, host: str, port: int) -> int:
-        self._server = await asyncio.start_server(self._handle, host, port, limit=READ_LIMIT)
+        """BindError (services/node/grpc_util.py) when host:port cannot be bound."""
+        from services.node.grpc_util import BindError
+        try:
+            self._server = await asyncio.start_server(self._handle, host, port, limit=READ_LIMIT)
+        except OSError as e:
+            raise BindError(f"cannot bind the metrics port {host}:{port} ({e.strerror})") from None
         return self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:

@@ -145,12 +145,16 @@ class ServiceFailed(RuntimeError):
 
 
 def run(args: argparse.Namespace) -> int:
+    from services.node.grpc_util import BindError
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
     try:
         asyncio.run(_serve(args))
     except ValueError as e:
         print(f"error: {e}")
         return 2
+    except BindError as e:
+        print(f"error: {e}", flush=True)
+        return 1
     except ServiceFailed as e:
         print(f"error: {e}", flush=True)
         return 1

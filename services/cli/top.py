@@ -6,7 +6,9 @@ JSON the page draws: services/meta_server/dashboard/cluster_view.py).
 $PDMESH_DASHBOARD, else the mesh `pdmesh up` is running (when its config sets a
 dashboard_port). The admin token comes from --token-file, $PDMESH_ADMIN_TOKEN(_FILE), or,
 for the running mesh's own dashboard, its credentials. --once prints one table and exits.
-Exit code 0; 1 when the dashboard cannot be read (the reason on stderr).
+Exit code 0; 1 when the dashboard cannot be read at start (the reason on stderr). Once
+running, a failed refresh keeps the last table on screen under a red line with the reason
+(and the time it started failing), and it tries again every interval.
 """
 from __future__ import annotations
 
@@ -108,6 +110,13 @@ def render(doc: dict):
     return table
 
 
+def stale(table, why: str):
+    """The last table, under a line saying why it is not being refreshed."""
+    from rich.console import Group
+    from rich.text import Text
+    return Group(Text(why, style="bold red"), table)
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
@@ -126,10 +135,17 @@ def run(args: argparse.Namespace) -> int:
         if args.once:
             console.print(render(fetch(url, token)))
             return 0
-        with Live(render(fetch(url, token)), console=console, refresh_per_second=4) as live:
+        last = fetch(url, token)
+        with Live(render(last), console=console, refresh_per_second=4) as live:
+            failing_since = None
             while True:
                 time.sleep(args.interval)
-                live.update(render(fetch(url, token)))
+                try:
+                    last, failing_since = fetch(url, token), None
+                    live.update(render(last))
+                except RuntimeError as e:   # e.g. the meta-server restarting: keep the last table
+                    failing_since = failing_since or time.strftime("%H:%M:%S")
+                    live.update(stale(render(last), f"unreachable since {failing_since}: {e}; retrying"))
     except RuntimeError as e:
         print(f"pdmesh top: {e}", file=sys.stderr)
         return 1

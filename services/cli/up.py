@@ -290,5 +290,5 @@ def _record(mesh) -> dict[str, str]:
     print(f"client credentials: API key in {values['api_keys_file'] or '(none: the API is open)'}, "
           f"admin token in {values['admin_token_file'] or '(none)'} (recorded in {path})", flush=True)
     if values["dashboard"]:
-        print(f"KV-memory dashboard at {values['dashboard']}/dashboard?token=ADMIN_TOKEN (pdmesh top)", flush=True)
+        print(f"KV-memory dashboard at {values['dashboard']}/dashboard#token=ADMIN_TOKEN (pdmesh top)", flush=True)
     return values

@@ -53,8 +53,14 @@ async def create_server(mesh: MeshConfig, port: int | None = None, credentials=N
         raise
     await grpc_util.mark_serving(health, [SERVICE_NAME])
     # GET /metrics (gateway.metrics_port; None when 0); close with common.metrics.close_metrics(server)
-    server.metrics_server = await serve_metrics(servicer.metrics.registry, mesh.gateway.host,
-                                                mesh.gateway.metrics_port, "gateway")
+    try:
+        server.metrics_server = await serve_metrics(servicer.metrics.registry, mesh.gateway.host,
+                                                    mesh.gateway.metrics_port, "gateway")
+    except BaseException:
+        await stop_http(server, None)
+        await server.stop(None)
+        await servicer.close()
+        raise
     log.info("gateway serving at %s:%d for model %s", mesh.gateway.host, bound, mesh.resolved_model_id)
     return server, bound
 

@@ -59,8 +59,9 @@ async def create_server(mesh: MeshConfig, port: int | None = None, credentials=N
     period = min(t.kv_store_pin_lease_s, t.kv_store_reserve_lease_s, 2.0) / 4
     server.store = store
     server.expiry = asyncio.get_running_loop().create_task(_expire_loop(store, period))
-    server.metrics_server = await serve_metrics(kv_store_registry(store), cfg.host, cfg.metrics_port,
-                                                "kv-store")   # None when metrics_port is 0
+    async with grpc_util.stopped_on_error(server):
+        server.metrics_server = await serve_metrics(kv_store_registry(store), cfg.host, cfg.metrics_port,
+                                                    "kv-store")   # None when metrics_port is 0
     log.info("kv-store serving at %s:%d (transfer %s at %s; %.0f MB per key space; Redis %s)",
              cfg.host, bound, transfer.name, transfer.endpoint, cfg.capacity_mb,
              cfg.redis_url or "off")

@@ -66,8 +66,9 @@ async def create_server(cfg: MetaConfig, port: int | None = None,
     await server.start()
     await grpc_util.mark_serving(health, SERVICE_NAMES)
     server.control = control
-    server.metrics_server = await serve_metrics(meta_registry(control), cfg.host, cfg.metrics_port,
-                                                "meta-server")   # None when metrics_port is 0
+    async with grpc_util.stopped_on_error(server):
+        server.metrics_server = await serve_metrics(meta_registry(control), cfg.host, cfg.metrics_port,
+                                                    "meta-server")   # None when metrics_port is 0
     server.dashboard = await _dashboard(cfg, control, kv_store_address, credentials)   # None when off
     if cluster is not None:
         control.candidate_id = f"{cfg.advertise_host or cfg.host}:{bound}"

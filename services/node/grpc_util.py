@@ -5,6 +5,7 @@ one service to another carries the mesh's identity."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 
 import grpc
@@ -63,9 +64,26 @@ async def mark_serving(servicer, service_names: list[str]) -> None:
         await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
+class BindError(RuntimeError):
+    """A service's port (gRPC, metrics, HTTP) cannot be bound: the service does not start
+    (`pdmesh serve` prints the message and exits 1)."""
+
+
+@contextlib.asynccontextmanager
+async def stopped_on_error(server: grpc.aio.Server):
+    """Around what a service starts after its gRPC server (metrics, HTTP, joining the
+    mesh): if that fails, the gRPC server is stopped before the error goes on, so that no
+    half-started service is left listening."""
+    try:
+        yield
+    except BaseException:
+        await server.stop(None)
+        raise
+
+
 def bind(server: grpc.aio.Server, host: str, port: int) -> int:
     """Bind host:port (0 = a free port), with TLS when the server's credentials carry it;
-    returns the port. RuntimeError if taken."""
+    returns the port. BindError if taken."""
     tls = server.pdmesh_credentials.tls
     if tls is None:
         bound = server.add_insecure_port(f"{host}:{port}")
@@ -74,7 +92,7 @@ def bind(server: grpc.aio.Server, host: str, port: int) -> int:
                                             require_client_auth=server.pdmesh_mtls)
         bound = server.add_secure_port(f"{host}:{port}", creds)
     if bound == 0:
-        raise RuntimeError(f"cannot bind {host}:{port} (address in use?)")
+        raise BindError(f"cannot bind {host}:{port} (address in use?)")
     return bound
 
 

@@ -43,7 +43,12 @@ def page(mesh):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True)
         page = browser.new_page()
-        page.goto(f"{mesh.dashboard_url}/dashboard?token={os.environ['PDMESH_ADMIN_TOKEN']}")
+        sent = []
+        page.on("request", lambda r: sent.append(r.url))
+        page.goto(f"{mesh.dashboard_url}/dashboard#token={os.environ['PDMESH_ADMIN_TOKEN']}")
+        page.wait_for_function("document.body.dataset.updated !== undefined")
+        assert "token" not in page.url, "the token left the address bar"
+        assert not any(os.environ["PDMESH_ADMIN_TOKEN"] in u for u in sent), "the token is in no URL sent"
         yield page
         browser.close()
 

@@ -115,8 +115,9 @@ def test_dashboard_http_auth_json_and_top(capsys, monkeypatch):
             assert (await get(f"{base}/api/cluster"))[0] == 401
             assert (await get(f"{base}/api/cluster", "wrong"))[0] == 401
             assert (await get(f"{base}/nope", token))[0] == 404
-            status, ctype, body = await get(f"{base}/dashboard?token={token}")
+            status, ctype, body = await get(f"{base}/dashboard")   # the page holds no data
             assert (status, ctype) == (200, "text/html; charset=utf-8") and body == page_html()
+            assert (await get(f"{base}/api/cluster?token={token}"))[0] == 401, "never a token in the URL"
             status, ctype, body = await get(f"{base}/api/cluster", token)
             assert (status, ctype) == (200, "application/json")
             doc = json.loads(body)
@@ -181,3 +182,37 @@ def test_transfer_rate_between_heartbeats():
     assert view._rates(at(3000, 0.0), 102.0) == {"p0": 1000.0}  # 2000 bytes over 2 s
     assert view._rates(at(3000, 0.3), 102.3) == {"p0": 1000.0}
     assert view._rates(at(100, 0.0), 103.0) == {"p0": 0.0}      # restarted: counter went down
+
+
+def test_top_keeps_the_last_table_when_a_refresh_fails(capsys, monkeypatch):
+    """A refresh that fails (the meta-server restarting, say) does not end `pdmesh top`:
+    the last table stays under a red line with the reason, and the next refresh that
+    works replaces it."""
+    from services.cli import main as cli
+    from services.cli import top
+    monkeypatch.setenv("COLUMNS", "250")
+    doc = build_cluster([NodeStatus(info("p0", "prefill"), "up", 0.25, 2)], Router(), "least_load", True,
+                        1000.0, {}, None)
+    later = build_cluster([NodeStatus(info("p9", "prefill"), "up", 0.25, 2)], Router(), "least_load", True,
+                          1001.0, {}, None)
+    answers = [doc, RuntimeError("http://127.0.0.1:1/api/cluster: HTTP 503: restarting"), later]
+    shown = []
+
+    def fetch(url, token):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def sleep(_):
+        if not answers:
+            raise KeyboardInterrupt   # the user's ^C: exit 0
+    monkeypatch.setattr(top, "fetch", fetch)
+    monkeypatch.setattr(top.time, "sleep", sleep)
+    real_stale = top.stale
+    monkeypatch.setattr(top, "stale", lambda table, why: shown.append(why) or real_stale(table, why))
+    assert cli(["top", "--dashboard", "127.0.0.1:1", "--interval", "0"]) == 0   # the session's admin token
+    assert len(shown) == 1 and shown[0].startswith("unreachable since ")
+    assert shown[0].endswith(": http://127.0.0.1:1/api/cluster: HTTP 503: restarting; retrying")
+    out = capsys.readouterr().out
+    assert "p9" in out, "the refresh after the failure drew the new table"

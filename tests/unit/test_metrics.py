@@ -249,6 +249,27 @@ def test_meta_server_serves_its_metrics_on_metrics_port():
     asyncio.run(main())
 
 
+def test_a_taken_metrics_port_stops_the_service_cleanly():
+    """The metrics port is taken by another process: create_server fails with BindError
+    naming it, and the gRPC port it had bound is closed again (nothing half-started)."""
+    import socket
+    from services.meta_server.server import create_server
+    from services.node.grpc_util import BindError, port_in_use
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    metrics_port, grpc_port = taken.getsockname()[1], free_port()
+
+    async def main():
+        with pytest.raises(BindError, match=f"cannot bind the metrics port 127.0.0.1:{metrics_port}"):
+            await create_server(MetaConfig(port=grpc_port, metrics_port=metrics_port))
+        assert not port_in_use("127.0.0.1", grpc_port), "the gRPC server was stopped"
+    try:
+        asyncio.run(main())
+    finally:
+        taken.close()
+
+
 # ---- config and launcher ---------------------------------------------------------------
 @pytest.mark.parametrize("bad", [-1, 65536, "9100", 1.5, True])
 def test_metrics_port_is_validated(bad):

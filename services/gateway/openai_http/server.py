@@ -20,6 +20,7 @@ import tempfile
 import uvicorn
 
 from services.gateway.openai_http.body_limit import MAX_BODY_BYTES, MAX_CONCURRENCY, BodyLimit
+from services.node.grpc_util import BindError
 
 
 class _Server(uvicorn.Server):
@@ -44,7 +45,7 @@ class HttpServer:
         return f"{scheme}://{host}:{self.port}"
 
     async def start(self) -> int:
-        """Serve; returns the bound port. RuntimeError if host:port cannot be bound."""
+        """Serve; returns the bound port. BindError if host:port cannot be bound."""
         sock = _bind(self.host, self.port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(BodyLimit(self.app, self.max_body_bytes), log_config=None, access_log=False, lifespan="off",
@@ -80,7 +81,7 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise RuntimeError(f"cannot bind the HTTP API to {host}:{port} ({e.strerror})") from None
+        raise BindError(f"cannot bind the HTTP API to {host}:{port} ({e.strerror})") from None
     return sock
 
 

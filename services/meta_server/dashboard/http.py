@@ -6,15 +6,17 @@ loop (asyncio.start_server; one request per connection, no keep-alive).
     await server.close()
 
 Routes:
-    GET /dashboard      the page (dashboard.html: inline CSS and JS, no external resource);
-                        it polls /api/cluster every second with the token it was given
+    GET /dashboard      the page (dashboard.html: inline CSS and JS, no external resource,
+                        no data); it polls /api/cluster every second with the token
     GET /api/cluster    ClusterView.snapshot() as JSON
     anything else       404; a method other than GET/HEAD 405
 
-Auth: the page and the JSON show cluster internals, so both need the admin token (the
-one `pdmesh admin` sends), as `Authorization: Bearer TOKEN` or `?token=TOKEN` (the page
-is opened as /dashboard?token=TOKEN and passes it on as a header). No admin token
-configured -> every request is refused (403), as the admin API is off then. It binds on
+Auth: the JSON shows cluster internals, so it needs the admin token (the one `pdmesh
+admin` sends) as `Authorization: Bearer TOKEN`, never in the URL (where logs, history
+and Referer headers keep it). The page holds no data and is served without one; it is
+opened as /dashboard#token=TOKEN (a fragment: the browser never sends it) or asks for
+the token, and sends it as that header. No admin token configured -> /api/cluster is
+refused (403), as the admin API is off then. It binds on
 meta_server.host only; it is plain HTTP, so keep that host on a trusted network (TLS on
 the gRPC ports does not cover it).
 """
@@ -25,7 +27,7 @@ import hmac
 import json
 import logging
 from importlib import resources
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
 log = logging.getLogger("pdmesh.meta")
 MAX_REQUEST_BYTES = 16 * 1024
@@ -58,12 +60,12 @@ class DashboardServer:
         self.port = 0
         self._page = page_html()
 
-    def authorized(self, headers: dict[str, str], query: dict[str, list[str]]) -> int:
+    def authorized(self, headers: dict[str, str]) -> int:
         """0 when allowed, else the status to answer (401 no/wrong token, 403 none configured)."""
         if self.admin_token is None:
             return 403
         auth = headers.get("authorization", "")
-        token = auth[7:].strip() if auth[:7].lower() == "bearer " else (query.get("token") or [""])[0]
+        token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
         return 0 if token and hmac.compare_digest(token.encode(), self.admin_token) else 401
 
     async def answer(self, method: str, target: str, headers: dict[str, str]) -> bytes:
@@ -73,15 +75,15 @@ class DashboardServer:
         url = urlsplit(target)
         if url.path not in ("/dashboard", "/dashboard/", "/api/cluster"):
             return _error(404, "not found: GET /dashboard or /api/cluster", head)
-        refused = self.authorized(headers, parse_qs(url.query))
+        if url.path != "/api/cluster":
+            return _response(200, self._page, "text/html; charset=utf-8", head)
+        refused = self.authorized(headers)
         if refused == 403:
             return _error(403, "the dashboard is off: this meta-server has no admin token configured", head)
         if refused:
-            return _error(401, "missing or wrong admin token: send `Authorization: Bearer TOKEN` or ?token=", head)
-        if url.path == "/api/cluster":
-            body = json.dumps(await self.view.snapshot()).encode()
-            return _response(200, body, "application/json", head)
-        return _response(200, self._page, "text/html; charset=utf-8", head)
+            return _error(401, "missing or wrong admin token: send `Authorization: Bearer TOKEN`", head)
+        body = json.dumps(await self.view.snapshot()).encode()
+        return _response(200, body, "application/json", head)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -134,5 +136,5 @@ async def serve_dashboard(view, admin_token: bytes | None, host: str, port: int)
         log.warning("dashboard: cannot listen on %s:%d (%s); serving without it", host, port, e)
         await view.close()
         return None
-    log.info("dashboard at http://%s:%d/dashboard?token=ADMIN_TOKEN", host, server.port)
+    log.info("dashboard at http://%s:%d/dashboard#token=ADMIN_TOKEN", host, server.port)
     return server
