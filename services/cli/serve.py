@@ -2,7 +2,8 @@
 
 ROLE is meta-server, gateway, kv-store, prefill, decode or both; engine roles pick their
 entry of `nodes` by --node-id (default: the first node of that role). --port / --meta /
---kv-store / --metrics-port override the file, so a launcher can hand out free ports.
+--kv-store / --metrics-port / --advertise-host override the file, so a launcher can hand
+out free ports and a pod its own name.
 
 Credentials (services/security/credentials.py): the cluster secret (or TLS files), the
 admin token and the gateway's API keys come from the config's `security:` section and
@@ -29,6 +30,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help="override the configured port")
     p.add_argument("--meta", default="", help="override the meta-server address HOST:PORT")
     p.add_argument("--kv-store", default="", help="override the kv-store address HOST:PORT")
+    p.add_argument("--advertise-host", default="",
+                   help="override the role's advertise_host (the name others dial; e.g. a "
+                        "StatefulSet pod's own DNS name, so that two meta-servers differ)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="override this service's metrics_port (GET /metrics; 0 = off)")
     p.add_argument("--log-level", default="INFO")
@@ -80,6 +84,17 @@ def _node_config(mesh, role: str, node_id: str):
     raise ValueError(f"nodes has no entry of role {role!r}")
 
 
+def _with_advertise_host(mesh, node_cfg, role: str, host: str):
+    """(mesh, node_cfg) with role's advertise_host set to host."""
+    if node_cfg is not None:
+        return mesh, dataclasses.replace(node_cfg, advertise_host=host)
+    if role == "meta-server":
+        return dataclasses.replace(mesh, meta=dataclasses.replace(mesh.meta, advertise_host=host)), None
+    if role == "kv-store" and mesh.kv_store is not None:
+        return dataclasses.replace(mesh, kv_store=dataclasses.replace(mesh.kv_store, advertise_host=host)), None
+    raise ValueError(f"--advertise-host is not served for {role} (it has no advertise_host)")
+
+
 async def _serve(args) -> None:
     from common.config import load_mesh_config
     from common.metrics import close_metrics
@@ -88,6 +103,8 @@ async def _serve(args) -> None:
     node_cfg = _node_config(mesh, args.role, args.node_id) if args.role in ("prefill", "decode", "both") else None
     if args.metrics_port is not None:
         mesh, node_cfg = _with_metrics_port(mesh, node_cfg, args.role, args.metrics_port)
+    if args.advertise_host:
+        mesh, node_cfg = _with_advertise_host(mesh, node_cfg, args.role, args.advertise_host)
     name = node_cfg.node_id if node_cfg is not None else args.role
     credentials = load_credentials(mesh.security, name,
                                    mesh.gateway.api_keys_file if args.role == "gateway" else "")

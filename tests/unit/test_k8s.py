@@ -227,6 +227,10 @@ def test_every_service_of_the_mesh_runs_once_from_the_configmap(overlay):
     meta = _workloads(objs)[served["meta-server"]]
     assert meta["kind"] == "StatefulSet" and meta["spec"]["replicas"] == 2 and mesh.etcd_endpoint, \
         "two meta-servers electing a leader on etcd"
+    # each replica is a candidate of its own name (POD.SERVICE, what the gateway dials)
+    meta_args, meta_c = _serve(meta)
+    assert meta_args.advertise_host == f"$(POD_NAME).{meta['spec']['serviceName']}"
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in meta_c["env"]
     assert "ENTRYPOINT [\"pdmesh\"]" in (ROOT / "deploy" / "Dockerfile").read_text()
 
 

@@ -311,6 +311,16 @@ def test_exported_names_include_families_without_samples():
         GatewayMetrics().registry)
 
 
+def test_serve_advertise_host_override_sets_the_role_s_own_host():
+    from services.cli.serve import _with_advertise_host
+    mesh = mesh_config_from_dict({"model": "m", "kv_store": {}, "nodes": [{"role": "both", "node_id": "n0"}]})
+    assert _with_advertise_host(mesh, None, "meta-server", "meta-1.meta")[0].meta.address.startswith("meta-1.meta:")
+    assert _with_advertise_host(mesh, None, "kv-store", "kv-0.kv")[0].kv_store.advertise_host == "kv-0.kv"
+    assert _with_advertise_host(mesh, mesh.nodes[0], "both", "n0.pods")[1].advertised_host == "n0.pods"
+    with pytest.raises(ValueError, match="--advertise-host is not served for gateway"):
+        _with_advertise_host(mesh, None, "gateway", "g")
+
+
 def test_serve_metrics_port_override_sets_the_role_s_own_port():
     from services.cli.serve import _with_metrics_port
     mesh = mesh_config_from_dict({"model": "m", "kv_store": {}, "nodes": [{"role": "both", "node_id": "n0"}]})
