@@ -167,7 +167,9 @@ class GatewayConfig:
 @dataclass(frozen=True)
 class NodeConfig:
     """host is where the node binds; it registers `advertised_host`:port with the
-    meta-server (advertise_host when set, else host)."""
+    meta-server (advertise_host when set, else host). engine: this node's engine fields
+    over the mesh's `engine` section (e.g. {tensor_parallel_size: 2} on one prefill node,
+    a bigger num_blocks on the decode nodes); the model is the mesh's."""
 
     role: str
     node_id: str
@@ -176,6 +178,7 @@ class NodeConfig:
     max_queue: int = 256                # waiting requests before RESOURCE_EXHAUSTED
     advertise_host: str = ""            # "" = host
     metrics_port: int = 0               # GET /metrics on host (0 = off)
+    engine: dict[str, Any] = dataclasses.field(default_factory=dict)   # over the mesh's engine section
 
     @property
     def advertised_host(self) -> str:
@@ -185,6 +188,13 @@ class NodeConfig:
         if self.role not in ROLES:
             raise ValueError(f"nodes[].role must be one of {ROLES}, got {self.role!r}")
         check_metrics_port(f"nodes[{self.node_id}]", self.metrics_port)
+        if not isinstance(self.engine, dict):
+            raise ValueError(f"nodes[{self.node_id}].engine must be a mapping of engine fields, "
+                             f"got {type(self.engine).__name__}")
+        allowed = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "model_id"}
+        unknown = sorted(set(self.engine) - allowed)
+        if unknown:
+            raise ValueError(f"nodes[{self.node_id}].engine: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
 
 
 @dataclass(frozen=True)
@@ -294,9 +304,18 @@ class MeshConfig:
     limits: LimitsConfig = LimitsConfig()
     security: SecurityConfig = SecurityConfig()
 
-    def engine_config(self) -> EngineConfig:
+    def engine_config(self, node: NodeConfig | None = None) -> EngineConfig:
+        """The engine of `node` (the mesh's engine section, then the node's own fields), or
+        the mesh's when node is None. ValueError naming the node's section when its
+        fields are the bad ones."""
         args = {"model_id": self.resolved_model_id, **self.engine}
-        return EngineConfig.from_kwargs(self.model, **args)
+        if node is None or not node.engine:
+            return EngineConfig.from_kwargs(self.model, **args)
+        base = EngineConfig.from_kwargs(self.model, **args)   # the mesh's own fields are checked first
+        try:
+            return dataclasses.replace(base, **node.engine)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"nodes[{node.node_id}].engine: {e}") from None
 
     def etcd_config(self):
         """A common.cluster EtcdConfig for etcd_endpoint and cluster; None without etcd."""

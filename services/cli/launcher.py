@@ -153,11 +153,12 @@ class MeshProcesses:
         engine = self.mesh.engine_config()
         nodes = [n.node_id for n in self.mesh.nodes]
         control = [name for name in self.services if name not in nodes]
-        explicit = {n: engine.cpu_cores for n in nodes} if engine.cpu_cores else {}
+        own = {n.node_id: self.mesh.engine_config(n).cpu_cores for n in self.mesh.nodes}
+        explicit = {n: cores for n, cores in own.items() if cores}
         if self.plan_cores and available:
             plan = cpu_budget.plan_cores(available, nodes, control, explicit, engine.num_threads)
         else:
-            plan = {name: cpu_budget.CoreShare(engine.cpu_cores, True, by_config=True) if name in explicit
+            plan = {name: cpu_budget.CoreShare(explicit[name], True, by_config=True) if name in explicit
                     else cpu_budget.CoreShare(available, False) for name in self.services}
         for name, share in plan.items():
             self.services[name].cpu = share

@@ -225,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
     from common.config import load_mesh_config
     try:
         mesh_cfg = load_mesh_config(args.config)
-        mesh_cfg.engine_config()   # engine fields valid (cpu_cores among them) before anything starts
+        for node in (None, *mesh_cfg.nodes):   # engine fields valid (cpu_cores among them) before anything starts
+            mesh_cfg.engine_config(node)
         ensure_model(mesh_cfg)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -62,7 +62,7 @@ def grpc_transfer_security(credentials=None) -> dict:
 class EngineNode:
     def __init__(self, mesh: MeshConfig, node: NodeConfig):
         self.mesh, self.node = mesh, node
-        self.llm_engine = LLMEngine(mesh.engine_config())
+        self.llm_engine = LLMEngine(mesh.engine_config(node))
         self.engine = AsyncEngine(self.llm_engine)
         self.transfer = create_transfer(mesh.transfer.backend, **transfer_options(mesh, node.advertised_host))
         kv = self.llm_engine.kv_cache

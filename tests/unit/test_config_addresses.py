@@ -2,6 +2,8 @@
 only what others dial; an empty transfer.hostname follows the node's advertised host."""
 from __future__ import annotations
 
+import pytest
+
 from common.config import MetaConfig, NodeConfig, mesh_config_from_dict
 from services.node.engine_node import transfer_options
 
@@ -31,3 +33,34 @@ def test_transfer_hostname_empty_means_the_node_name():
     assert sorted(options) == ["channel_factory", "host", "interceptors", "server_credentials", "timeout_s"]
     fixed = mesh_config_from_dict({**raw, "transfer": {"backend": "mooncake", "hostname": "10.1.1.1"}})
     assert transfer_options(fixed, fixed.node("p").advertised_host)["hostname"] == "10.1.1.1"
+
+
+def test_a_node_s_engine_fields_override_the_mesh_s():
+    from common.config import mesh_config_from_dict
+    raw = {"model": "/m", "engine": {"num_blocks": 64, "max_num_seqs": 8},
+           "nodes": [{"role": "prefill", "node_id": "p0", "engine": {"num_blocks": 128, "cpu_cores": "0-1"}},
+                     {"role": "decode", "node_id": "d0"}]}
+    mesh = mesh_config_from_dict(raw)
+    p0, d0 = mesh.engine_config(mesh.node("p0")), mesh.engine_config(mesh.node("d0"))
+    assert (p0.num_blocks, p0.max_num_seqs, p0.cpu_cores) == (128, 8, (0, 1))
+    assert (d0.num_blocks, d0.max_num_seqs, d0.cpu_cores) == (64, 8, ())
+    assert mesh.engine_config().num_blocks == 64
+
+
+@pytest.mark.parametrize("engine,error", [
+    ({"model": "/other"}, r"nodes\[p0\].engine: unknown field\(s\) \['model'\]"),
+    ({"blocks": 3}, r"nodes\[p0\].engine: unknown field\(s\) \['blocks'\]"),
+    ([1, 2], r"nodes\[p0\].engine must be a mapping"),
+])
+def test_a_node_s_engine_section_names_its_bad_fields(engine, error):
+    from common.config import mesh_config_from_dict
+    with pytest.raises(ValueError, match=error):
+        mesh_config_from_dict({"model": "/m", "nodes": [{"role": "prefill", "node_id": "p0", "engine": engine}]})
+
+
+def test_a_node_s_bad_engine_value_is_named_when_its_engine_is_built():
+    from common.config import mesh_config_from_dict
+    mesh = mesh_config_from_dict({"model": "/m", "nodes": [{"role": "prefill", "node_id": "p0",
+                                                            "engine": {"max_num_seqs": 0}}]})
+    with pytest.raises(ValueError, match=r"nodes\[p0\].engine: max_num_seqs must be >= 1, got 0"):
+        mesh.engine_config(mesh.node("p0"))
