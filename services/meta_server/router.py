@@ -35,18 +35,29 @@ milliseconds, long before the next heartbeat), so under overload the prompts spl
 between the prefill tier and the decode node's spare compute (join the shorter queue),
 and at light load every prompt still goes to the prefill tier.
 
+Tensor parallelism: only prefill nodes whose TP size and per-rank KV heads can push into
+the chosen decode node are candidates (common/transfer/tp_pairing.py: prefill TP = decode
+TP, or a multiple of it); when every prefill node is refused that way the decode node
+prefills locally, and the router logs why (once per pair of sizes) and counts it
+(num_tp_refused), so a mesh of mismatched sizes serves instead of hanging.
+
 Thread-safety: event loop only; route() mutates counters, the index and the chosen
 members' routed_since_heartbeat.
 """
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
 from common.config import POLICIES
+from common.transfer.tp_pairing import pairing_refusal
 from services.meta_server.prefix_index import PrefixIndex
 from services.meta_server.registry import Member
+
+
+log = logging.getLogger("pdmesh.meta")
 
 
 class NoNodeError(LookupError):
@@ -95,6 +106,8 @@ class Router:
         self.num_query_blocks = self.num_hit_blocks = 0
         self.routed_by_node: Counter[str] = Counter()
         self.node_roles: dict[str, str] = {}
+        self.num_tp_refused = 0            # requests prefilled locally: no prefill node's TP fits
+        self._tp_refusals_logged: set[tuple[int, int, int, int]] = set()
 
     def route(self, members: list[Member], request: RouteRequest, policy: str,
               drained: frozenset[str] = frozenset()) -> RouteDecision:
@@ -108,7 +121,7 @@ class Router:
             raise NoNodeError(f"no live, undrained decode node for model {request.model_id!r}")
         hashes = request.block_hashes
         decode = self._pick("decode", decodes, policy, hashes)
-        prefills = [m for m in usable if m.role == "prefill"]
+        prefills = self._tp_compatible(decode, [m for m in usable if m.role == "prefill"])
         ranked: list[Member] = []
         if decode.role == "decode" and prefills and not self._prefill_locally(request, decode, prefills):
             ranked = self._rank("prefill", prefills, policy, hashes, request.store_hit_blocks)
@@ -116,6 +129,25 @@ class Router:
                                  self.index.prefix_hit(decode.node_id, hashes), ranked[1:])
         self._record(decision, hashes)
         return decision
+
+    def _tp_compatible(self, decode: Member, prefills: list[Member]) -> list[Member]:
+        """The prefill nodes that can push into decode across their TP sizes."""
+        if decode.role != "decode" or not prefills:
+            return prefills
+        d, heads_d = tp_shape(decode)
+        fit = []
+        for m in prefills:
+            p, heads_p = tp_shape(m)
+            refusal = pairing_refusal(p, heads_p, d, heads_d)
+            if refusal is None:
+                fit.append(m)
+            elif (p, heads_p, d, heads_d) not in self._tp_refusals_logged:
+                self._tp_refusals_logged.add((p, heads_p, d, heads_d))
+                log.warning("prefill node %s cannot push into decode node %s: %s; such pairs are never routed",
+                            m.node_id, decode.node_id, refusal)
+        if not fit:
+            self.num_tp_refused += 1
+        return fit
 
     def _prefill_locally(self, request: RouteRequest, decode: Member, prefills: list[Member]) -> bool:
         if request.num_prompt_tokens < self.local_prefill_max_tokens:
@@ -170,3 +202,8 @@ class Router:
         self.index.forget(node_id)
         self.routed_by_node.pop(node_id, None)
         self.node_roles.pop(node_id, None)
+
+
+def tp_shape(member: Member) -> tuple[int, int]:
+    """(TP size, KV heads per rank) of a member, from its NodeInfo."""
+    return max(member.info.tensor_parallel_size, 1), member.info.kv_layout.num_kv_heads

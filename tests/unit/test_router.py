@@ -190,3 +190,46 @@ def test_conditional_disaggregation_fields_are_integers_of_at_least_zero(field, 
     from common.config import MetaConfig
     with pytest.raises(ValueError, match=rf"^meta_server\.{field} must be an integer >= 0 \(0 = off\), got "):
         MetaConfig(**{field: value})
+
+
+def tp_member(node_id: str, role: str, tp: int, heads_per_rank: int) -> Member:
+    m = member(node_id, role)
+    m.info.tensor_parallel_size = tp
+    m.info.kv_layout.num_kv_heads = heads_per_rank
+    return m
+
+
+@pytest.mark.parametrize("p,heads_p,d,heads_d,served", [
+    (1, 8, 1, 8, True), (2, 4, 2, 4, True), (2, 4, 1, 8, True), (4, 2, 2, 4, True), (4, 2, 1, 8, True),
+    (1, 8, 2, 4, False),    # p < d
+    (3, 2, 2, 3, False),    # not a multiple
+    (2, 1, 1, 1, False),    # a model with 1 KV head at prefill TP 2: replicated heads
+    (2, 2, 1, 8, False),    # head counts that do not add up (another model's layout)
+])
+def test_prefill_nodes_whose_tp_cannot_push_into_the_decode_node_are_never_routed(p, heads_p, d, heads_d, served,
+                                                                                   caplog):
+    from common.transfer.tp_pairing import pairing_refusal, rank_writes
+    router = Router()
+    nodes = [tp_member("p0", "prefill", p, heads_p), tp_member("d0", "decode", d, heads_d)]
+    for _ in range(2):
+        decision = router.route(nodes, req(), "least_load")
+    assert ids(decision) == ("d0", "p0" if served else None)
+    assert (pairing_refusal(p, heads_p, d, heads_d) is None) == served
+    assert router.num_tp_refused == (0 if served else 2)
+    warnings = [r.getMessage() for r in caplog.records if "cannot push into" in r.getMessage()]
+    assert len(warnings) == (0 if served else 1), "said once per pair of shapes"
+    if served:
+        writes = rank_writes(p, heads_p, d, heads_d)
+        assert [(w.src, w.dst) for w in writes] == [(i, i * d // p) for i in range(p)]
+        assert sorted((w.dst, w.head_offset) for w in writes) == [
+            (j, o) for j in range(d) for o in range(0, heads_d, heads_p)], "every decode head written once"
+    else:
+        with pytest.raises(ValueError, match=f"prefill TP {p}"):
+            rank_writes(p, heads_p, d, heads_d)
+
+
+def test_a_fitting_prefill_node_is_chosen_over_a_less_loaded_one_that_does_not_fit():
+    nodes = [tp_member("p0", "prefill", 1, 8), tp_member("p1", "prefill", 2, 4), tp_member("d0", "decode", 2, 4)]
+    heartbeat(nodes[1], running=5)
+    decision = Router().route(nodes, req(), "least_load")
+    assert ids(decision) == ("d0", "p1") and decision.prefill_fallbacks == []

@@ -93,7 +93,7 @@ class KVLayout(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., base_address: _Optional[int] = ..., strides: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "role", "address", "model_id", "transfer_backend", "transfer_endpoint", "kv_layout", "load", "max_model_len", "transfer_listen_addresses")
+    __slots__ = ("node_id", "role", "address", "model_id", "transfer_backend", "transfer_endpoint", "kv_layout", "load", "max_model_len", "transfer_listen_addresses", "tensor_parallel_size", "kv_ranks")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,8 @@ class NodeInfo(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_LISTEN_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_RANKS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     address: str
@@ -114,7 +116,17 @@ class NodeInfo(_message.Message):
     load: NodeLoad
     max_model_len: int
     transfer_listen_addresses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., transfer_backend: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., kv_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., transfer_listen_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+    tensor_parallel_size: int
+    kv_ranks: _containers.RepeatedCompositeFieldContainer[KVRank]
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., transfer_backend: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., kv_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., transfer_listen_addresses: _Optional[_Iterable[str]] = ..., tensor_parallel_size: _Optional[int] = ..., kv_ranks: _Optional[_Iterable[_Union[KVRank, _Mapping]]] = ...) -> None: ...
+
+class KVRank(_message.Message):
+    __slots__ = ("transfer_endpoint", "layout")
+    TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    transfer_endpoint: str
+    layout: KVLayout
+    def __init__(self, transfer_endpoint: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
 
 class PrefillTiming(_message.Message):
     __slots__ = ("queue_ms", "compute_ms", "transfer_ms", "remote")

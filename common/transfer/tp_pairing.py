@@ -1,0 +1,54 @@
+"""Which prefill node can push its KV into which decode node, across tensor-parallel sizes.
+
+A node at TP n splits the model's KV heads over its n ranks: rank i holds the contiguous
+head range [i * h, (i + 1) * h) of h = num_kv_heads / n heads (or, when n exceeds the
+model's KV heads, every head group is replicated over n / num_kv_heads ranks). A prefill
+node at TP p pushes into a decode node at TP d when
+    p == d and both ranks hold as many heads (rank i writes rank i), or
+    p == k * d (k > 1) and each prefill rank holds distinct heads, k of them making one
+      decode rank's (prefill rank i writes its heads into decode rank i // k, at head
+      offset (i % k) * h_p): what vLLM-Ascend serves.
+Anything else (p < d: a prefill rank would have to split its heads over decode ranks;
+replicated prefill heads at p > d; head counts that do not line up) is refused when the
+route is chosen (services/meta_server/router.py) and again by the prefill node's
+destination check, with the reason below, never attempted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RankWrite:
+    """Prefill rank `src` writes its heads into decode rank `dst` from head `head_offset`."""
+
+    src: int
+    dst: int
+    head_offset: int
+
+
+def pairing_refusal(p: int, heads_p: int, d: int, heads_d: int) -> str | None:
+    """None when a prefill node at TP p (heads_p KV heads per rank) can push into a
+    decode node at TP d (heads_d per rank); else why not, in words for an operator."""
+    p, d = max(p, 1), max(d, 1)
+    if p < d:
+        return (f"prefill TP {p} < decode TP {d}: a prefill rank would split its KV heads over decode "
+                f"ranks (served: prefill TP = decode TP, or a multiple of it)")
+    if p % d:
+        return f"prefill TP {p} is not a multiple of decode TP {d}"
+    k = p // d
+    if heads_p * k != heads_d:
+        why = "replicated KV heads" if heads_p * k > heads_d else "head counts that do not add up"
+        return (f"prefill TP {p} ({heads_p} KV heads per rank) into decode TP {d} ({heads_d} per rank): "
+                f"{why}")
+    return None
+
+
+def rank_writes(p: int, heads_p: int, d: int, heads_d: int) -> list[RankWrite]:
+    """Which prefill rank writes which decode rank (ValueError when not served)."""
+    refusal = pairing_refusal(p, heads_p, d, heads_d)
+    if refusal is not None:
+        raise ValueError(refusal)
+    p, d = max(p, 1), max(d, 1)
+    k = p // d
+    return [RankWrite(i, i // k, (i % k) * heads_p) for i in range(p)]
