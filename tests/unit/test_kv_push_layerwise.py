@@ -79,11 +79,11 @@ def snapshot_both_sides(pair) -> tuple[dict, dict]:
             source[rid] = pe.kv_cache[:, :, seq.block_ids].clone()
         return release(rid)
 
-    def on_commit(rid, token):
+    def on_commit(rid, token, logprobs=None):
         seq = de._remote_seq(rid)
         if seq is not None:
             dest[rid] = de.kv_cache[:, :, seq.block_ids].clone()
-        return commit(rid, token)
+        return commit(rid, token, logprobs)
 
     pe.release, de.commit_remote = on_release, on_commit
     return source, dest
