@@ -55,7 +55,7 @@ from typing import Any, Callable
 from common.config import EngineConfig
 from common.engine.lifecycle import RequestState
 from common.engine.llm_engine import LLMEngine, StepOutput
-from common.engine.mailbox import Command, Outbox, running_loop
+from common.engine.mailbox import Command, Outbox, running_loop, wake_all
 from common.engine.engine_view import EngineView
 from common.engine.remote_kv import KVFilled, RemoteKV
 from common.engine.sampling_params import SamplingParams
@@ -163,10 +163,18 @@ class AsyncEngine(EngineView):
                 self._drain(in_forward=True)
 
     def _deliver(self, outs: list[StepOutput]) -> None:
+        """Every output into its outbox, then one wake-up per event loop (not one per
+        request: a step of 32 running requests would wake the loop 32 times, each a
+        self-pipe write and a GIL hand-over while this thread goes on to the next step)."""
+        waiters: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
         for out in outs:
             box = self._outboxes.get(out.request_id)
             if box is not None:
-                box.put(out)
+                waiter = box.push(out)
+                if waiter is not None:
+                    waiters.setdefault(box.loop, []).append(waiter)
+        for loop, ready in waiters.items():
+            wake_all(loop, ready)
 
     # ---- requests --------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],

@@ -25,18 +25,22 @@ class Outbox:
 
     def put(self, item) -> None:
         """item: a StepOutput, or the exception that ends the stream."""
+        waiter = self.push(item)
+        if waiter is not None:
+            wake_all(self._loop, [waiter])
+
+    def push(self, item) -> asyncio.Future | None:
+        """Queue item without waking the reader: the waiter to wake (with wake_all), or
+        None when nobody waits. For a step's outputs to many outboxes of one loop, so that
+        the loop is woken once per step, not once per request."""
         with self._lock:
             self._items.append(item)
             waiter, self._waiter = self._waiter, None
-        if waiter is None:
-            return
-        if running_loop() is self._loop:
-            _wake(waiter)
-        else:
-            try:
-                self._loop.call_soon_threadsafe(_wake, waiter)
-            except RuntimeError:  # the loop is closed: nobody reads any more
-                pass
+        return waiter
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
 
     async def get(self):
         while True:
@@ -90,9 +94,23 @@ def running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-def _wake(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
+def wake_all(loop: asyncio.AbstractEventLoop, waiters: list[asyncio.Future]) -> None:
+    """Wake the readers waiting on `waiters` (futures of loop): at once on loop's own
+    thread, else with one call_soon_threadsafe for all of them (nothing when the loop has
+    closed: nobody reads any more)."""
+    if running_loop() is loop:
+        _wake(*waiters)
+        return
+    try:
+        loop.call_soon_threadsafe(_wake, *waiters)
+    except RuntimeError:
+        pass
+
+
+def _wake(*waiters: asyncio.Future) -> None:
+    for waiter in waiters:
+        if not waiter.done():
+            waiter.set_result(None)
 
 
 def _set(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

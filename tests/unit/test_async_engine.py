@@ -200,3 +200,31 @@ def test_a_request_that_cannot_be_admitted_does_not_spin_the_step_thread(tiny_mo
     assert held.finished and out.finished
     assert idle_steps <= 3   # the prompt of "held", then at most one empty try for "next"
     assert engine.stats()["used_blocks"] == 0
+
+
+def test_a_step_s_outputs_wake_the_event_loop_once():
+    """A step's tokens for many requests read on one loop cost one call_soon_threadsafe
+    (one self-pipe write, one wake-up), not one per request; every reader gets its own."""
+    import threading
+    from types import SimpleNamespace
+    from common.engine.async_engine import AsyncEngine
+    from common.engine.llm_engine import StepOutput
+    from common.engine.mailbox import Outbox
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        calls = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: calls.append(a) or real(*a)
+        boxes = {f"r{i}": Outbox(loop) for i in range(8)}
+        readers = [asyncio.ensure_future(b.get()) for b in boxes.values()]
+        await asyncio.sleep(0)                     # every reader waits
+        outs = [StepOutput(rid, [i], False, None, 4, 0) for i, rid in enumerate(boxes)]
+        step_thread = threading.Thread(target=AsyncEngine._deliver,
+                                       args=(SimpleNamespace(_outboxes=boxes), outs))
+        step_thread.start()
+        step_thread.join()
+        got = await asyncio.gather(*readers)
+        assert [o.new_token_ids for o in got] == [[i] for i in range(8)]
+        assert len(calls) == 1, "one wake-up for the whole step"
+    asyncio.run(main())
