@@ -22,7 +22,12 @@ class EngineConfig:
 
     cpu_cores pins the engine's process to those cores (ids, or "0-3,6" / [0, 1] in YAML,
     normalized to a sorted tuple); () = not pinned. num_threads 0 = one thread per core of
-    cpu_cores, or torch's default when not pinned (common/engine/cpu_budget.py)."""
+    cpu_cores, or torch's default when not pinned (common/engine/cpu_budget.py).
+
+    tensor_parallel_size N > 1 shards the model over N rank processes stepping together
+    (common/parallel/executor.py); the model's heads must divide by N (checked when the
+    engine loads it). num_threads and kv_cache_memory are then per rank, cpu_cores split
+    N ways (when it has N cores or more); num_threads 0 = the cores split N ways."""
 
     model: str
     model_id: str = ""
@@ -40,8 +45,12 @@ class EngineConfig:
     seed: int = 0
     num_threads: int = 0
     cpu_cores: tuple[int, ...] = ()
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device.split(":")[0] not in DEVICES:

@@ -41,8 +41,23 @@ class _Tracker:
 class LLM:
     def __init__(self, model: str, **engine_args: Any):
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
-        self.tokenizer = self.engine.tokenizer or Tokenizer.from_dir(model)  # raises naming the file
+        try:
+            self.tokenizer = self.engine.tokenizer or Tokenizer.from_dir(model)  # raises naming the file
+        except BaseException:
+            self.engine.close()
+            raise
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel rank processes (idempotent; nothing to stop at
+        tensor_parallel_size 1). `with LLM(...) as llm:` closes it on the way out."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _prompt_ids(self, prompt: PromptType, index: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

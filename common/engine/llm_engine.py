@@ -85,10 +85,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        from common.parallel.executor import TPExecutor, rank_cpu_budget, rank_device
+        from common.parallel.shard import plan_shard
         self.config = config
-        cpu_budget.apply(config.cpu_cores, config.num_threads)
-        self.device = torch.device(config.device)
+        tp_size = config.tensor_parallel_size
+        cpu_budget.apply(*rank_cpu_budget(config.cpu_cores, config.num_threads, tp_size, 0))
+        self.device = torch.device(rank_device(config.device, 0) if tp_size > 1 else config.device)
         self.model_config = mcfg = load_model_config(config.model)
+        self.shard = plan_shard(mcfg, tp_size, 0)     # ValueError naming tensor_parallel_size
         self.backend = get_backend(config.kernel_backend, self.device)
         supported = self.backend.supported_block_sizes()
         self.block_size = config.block_size or (supported[0] if supported else 16)
@@ -96,8 +100,8 @@ class LLMEngine:
             raise ValueError(f"block_size must be one of {supported} on the {self.backend.name} "
                              f"kernel backend, got {self.block_size}")
         self.dtype = resolve_dtype(config.dtype, self.device)
-        per_block = (mcfg.num_layers * 2 * self.block_size * mcfg.num_kv_heads * mcfg.head_dim
-                     * self.dtype.itemsize)
+        per_block = (mcfg.num_layers * 2 * self.block_size * self.shard.num_kv_heads * mcfg.head_dim
+                     * self.dtype.itemsize)       # per rank: each holds its KV heads
         self.num_blocks = config.num_blocks or max(1, config.kv_cache_memory // per_block)
         limit = min(mcfg.max_position_embeddings, self.num_blocks * self.block_size)
         if mcfg.sliding_window:
@@ -107,20 +111,32 @@ class LLMEngine:
                              f"KV cache of {self.num_blocks} blocks, sliding window), got {config.max_model_len}")
         self.max_model_len = config.max_model_len or limit
         start = time.perf_counter()
-        self.model = CausalLM(mcfg, self.backend, self.dtype, max_positions=self.max_model_len)
-        self.model.load_weights(config.model)
-        self.model.to(self.device)
-        self.model.prepare_linears()
+        # rank 0 here, the workers spawned first so that they load their shards meanwhile
+        self.tp = None if tp_size == 1 else TPExecutor(
+            config, dtype=next(k for k, v in DTYPE_BY_NAME.items() if v == self.dtype),
+            num_blocks=self.num_blocks, block_size=self.block_size, max_model_len=self.max_model_len)
+        try:
+            self.model = CausalLM(mcfg, self.backend, self.dtype, max_positions=self.max_model_len,
+                                  shard=self.shard)
+            self.model.load_weights(config.model)
+            self.model.to(self.device)
+            self.model.prepare_linears()
+            self.kv_cache = torch.zeros(mcfg.num_layers, 2, self.num_blocks, self.block_size,
+                                        self.shard.num_kv_heads, mcfg.head_dim, dtype=self.dtype,
+                                        device=self.device)
+            if self.tp is not None:
+                self.model.attach_group(self.tp.wait_ready())
+        except BaseException:
+            if self.tp is not None:
+                self.tp.close()
+            raise
         self.model_id = config.model_id or Path(config.model).resolve().name
-        self.kv_cache = torch.zeros(mcfg.num_layers, 2, self.num_blocks, self.block_size,
-                                    mcfg.num_kv_heads, mcfg.head_dim, dtype=self.dtype,
-                                    device=self.device)
         self.layout = layout_key(KVLayout.of_tensor(self.kv_cache))
         self.block_manager = BlockManager(self.num_blocks, self.block_size, self.model_id,
                                           self.layout, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, tp=self.tp)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.tokenizer = self._load_tokenizer(config.model)
         self.eos_token_ids = set(mcfg.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
@@ -133,6 +149,12 @@ class LLMEngine:
         log.info("engine ready: %s on %s/%s, %s, %d blocks x %d tokens, max_model_len %d (%.1fs)",
                  self.model_id, self.device, self.backend.name, self.dtype, self.num_blocks,
                  self.block_size, self.max_model_len, time.perf_counter() - start)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (idempotent; nothing to do at
+        tensor_parallel_size 1). At TP > 1 a step after it raises RuntimeError."""
+        if self.tp is not None:
+            self.tp.close()
 
     @staticmethod
     def _load_tokenizer(model_dir: str):

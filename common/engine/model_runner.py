@@ -11,6 +11,11 @@ Layer hooks: a prefill sequence whose `on_computed` has an `on_layer` attribute 
 right after layer `layer` wrote the KV of its chunk's tokens [start, end) (in layer order,
 every layer, before the step's `on_computed(seq, start, end)`); on a device the runner
 first waits for the kernels queued so far, so the callee may read those bytes at once.
+
+A step is planned as ints (`plan` -> StepInputs), then made tensors (`tensors`) and run
+(`forward`). At tensor parallelism rank 0 plans, the executor sends the StepInputs to
+the other ranks, and each rank's runner runs `forward` on its shard
+(common/parallel/); layer hooks run on rank 0 only.
 """
 from __future__ import annotations
 
@@ -21,33 +26,36 @@ import torch
 from common.engine.scheduler import SchedulerOutput
 from common.engine.sequence import Sequence
 from common.model.llama import CausalLM, StepBatch
+from common.parallel.step_inputs import StepInputs
 from kernels import DecodeMetadata, PrefillMetadata
 
 
-def _block_table(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
-    width = max(len(s.block_ids) for s in seqs)
-    rows = [s.block_ids + [0] * (width - len(s.block_ids)) for s in seqs]
-    return torch.tensor(rows, dtype=torch.int32, device=device)
+def _padded(tables: list[list[int]]) -> list[list[int]]:
+    width = max(len(t) for t in tables)
+    return [t + [0] * (width - len(t)) for t in tables]
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int):
+    """tp: at tensor_parallel_size > 1 on rank 0, the executor that sends each step's
+    inputs to the other ranks and guards the collectives (common/parallel/executor.py);
+    None at 1, where a step does nothing beyond the forward pass."""
+
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int, tp=None):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = kv_cache.device
+        self.tp = tp
 
-    def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, StepBatch, list[int], list[Sequence]]:
-        """(input_ids, batch, logits row indices, sampling sequences) for a step."""
-        bs, dev = self.block_size, self.device
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
+    def plan(self, sched: SchedulerOutput) -> tuple[StepInputs, list[Sequence]]:
+        """The step's inputs as ints (what every rank needs) and its sampling sequences."""
+        bs = self.block_size
+        inputs = StepInputs()
+        input_ids, positions, slots = inputs.input_ids, inputs.positions, inputs.slots
+        sample_rows = inputs.sample_rows
         sample_seqs: list[Sequence] = []
-        decode = prefill = None
         if sched.decode_seqs:
-            lens = [len(s) for s in sched.decode_seqs]
+            lens = inputs.decode_lens = [len(s) for s in sched.decode_seqs]
             for i, s in enumerate(sched.decode_seqs):
                 pos = lens[i] - 1
                 input_ids.append(s.token_ids[pos])
@@ -55,46 +63,75 @@ class ModelRunner:
                 slots.append(s.block_ids[pos // bs] * bs + pos % bs)
             sample_rows.extend(range(len(lens)))
             sample_seqs.extend(sched.decode_seqs)
-            decode = DecodeMetadata(seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-                                    block_tables=_block_table(sched.decode_seqs, dev),
-                                    seq_lens_list=lens)
+            inputs.decode_tables = _padded([s.block_ids for s in sched.decode_seqs])
         if sched.prefill_seqs:
-            q_lens, kv_lens, starts = [], [], [0]
             for s, n in zip(sched.prefill_seqs, sched.prefill_lens):
                 begin, end = s.num_computed_tokens, s.num_computed_tokens + n
                 input_ids.extend(s.token_ids[begin:end])
                 positions.extend(range(begin, end))
                 table = s.block_ids
                 slots.extend(table[p // bs] * bs + p % bs for p in range(begin, end))
-                q_lens.append(n)
-                kv_lens.append(end)
-                starts.append(starts[-1] + n)
+                inputs.query_lens.append(n)
+                inputs.kv_lens.append(end)
                 if end == len(s):
                     sample_rows.append(len(input_ids) - 1)
                     sample_seqs.append(s)
+            inputs.prefill_tables = _padded([s.block_ids for s in sched.prefill_seqs])
+        return inputs, sample_seqs
+
+    def tensors(self, inputs: StepInputs) -> tuple[torch.Tensor, StepBatch]:
+        """(input_ids, batch) on this runner's device."""
+        dev = self.device
+        decode = prefill = None
+        if inputs.decode_lens:
+            lens = inputs.decode_lens
+            decode = DecodeMetadata(seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+                                    block_tables=torch.tensor(inputs.decode_tables, dtype=torch.int32, device=dev),
+                                    seq_lens_list=lens)
+        if inputs.query_lens:
+            starts = [0]
+            for n in inputs.query_lens:
+                starts.append(starts[-1] + n)
             prefill = PrefillMetadata(
                 query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-                seq_lens=torch.tensor(kv_lens, dtype=torch.int32, device=dev),
-                block_tables=_block_table(sched.prefill_seqs, dev),
-                query_lens_list=q_lens, seq_lens_list=kv_lens)
+                seq_lens=torch.tensor(inputs.kv_lens, dtype=torch.int32, device=dev),
+                block_tables=torch.tensor(inputs.prefill_tables, dtype=torch.int32, device=dev),
+                query_lens_list=inputs.query_lens, seq_lens_list=inputs.kv_lens)
         batch = StepBatch(
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            num_decode_tokens=len(sched.decode_seqs), decode=decode, prefill=prefill)
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        return ids, batch, sample_rows, sample_seqs
+            positions=torch.tensor(inputs.positions, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(inputs.slots, dtype=torch.int64, device=dev),
+            num_decode_tokens=len(inputs.decode_lens), decode=decode, prefill=prefill)
+        return torch.tensor(inputs.input_ids, dtype=torch.int64, device=dev), batch
+
+    def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, StepBatch, list[int], list[Sequence]]:
+        """(input_ids, batch, logits row indices, sampling sequences) for a step."""
+        inputs, seqs = self.plan(sched)
+        ids, batch = self.tensors(inputs)
+        return ids, batch, inputs.sample_rows, seqs
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
         """Run the step; returns float32 logits [len(sample_seqs), vocab] (None if no
-        sequence samples this step) and the sequences they belong to."""
-        input_ids, batch, rows, seqs = self.prepare(sched)
-        hidden = self.model(input_ids, batch, self.kv_cache, self._layer_hook(sched))
+        sequence samples this step) and the sequences they belong to. At tensor
+        parallelism, RuntimeError when another rank failed (and every later step too)."""
+        inputs, seqs = self.plan(sched)
+        if self.tp is None:
+            return self.forward(inputs, self._layer_hook(sched)), seqs
+        with self.tp.step(inputs):
+            return self.forward(inputs, self._layer_hook(sched)), seqs
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs, on_layer: Callable[[int], None] | None = None) -> torch.Tensor | None:
+        """The forward pass of a step's inputs on this rank: logits of the sample rows
+        (None when none samples, and on ranks other than 0)."""
+        input_ids, batch = self.tensors(inputs)
+        hidden = self.model(input_ids, batch, self.kv_cache, on_layer)
+        rows = inputs.sample_rows
         if not rows:
-            return None, []
+            return None
         if len(rows) != hidden.shape[0]:
             hidden = hidden[torch.tensor(rows, device=self.device)]
-        return self.model.logits(hidden), seqs
+        return self.model.logits(hidden)
 
     def _layer_hook(self, sched: SchedulerOutput) -> Callable[[int], None] | None:
         """The forward pass's on_layer: each prefill sequence's on_computed.on_layer for its

@@ -1,7 +1,9 @@
 """Safetensors checkpoint reading: one file or HF shards with `model.safetensors.index.json`.
 
 `iter_checkpoint` yields (tensor name, tensor, file) one tensor at a time so a loader can
-copy each straight into its destination and never holds two copies of the model. A
+copy each straight into its destination and never holds two copies of the model. With
+`slices` (name -> index tuple), those tensors are read in part (safetensors get_slice):
+a tensor-parallel rank reads only its shard, so it never holds the whole model either. A
 progress line per file goes to the `pdmesh.model` logger, and a progress bar of bytes and
 tensors (tqdm) to the terminal when stderr is one, or to the `progress` stream given.
 """
@@ -11,7 +13,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TextIO
 
@@ -48,8 +50,14 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     raise FileNotFoundError(f"{root}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file")
 
 
-def iter_checkpoint(model_dir: str | Path, progress: TextIO | None = None) -> Iterator[tuple[str, torch.Tensor, Path]]:
-    """progress: where the bar goes; None = stderr, shown only when it is a terminal."""
+def iter_checkpoint(model_dir: str | Path, progress: TextIO | None = None,
+                    slices: Mapping[str, tuple[slice, ...]] | None = None,
+                    with_shape: bool = False) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    """(name, tensor, file), or (name, tensor, file, full shape) with with_shape; tensor
+    is tensor[slices[name]] for a name in slices (only that part is read). progress:
+    where the bar goes; None = stderr, shown only when it is a terminal. The bar counts
+    the checkpoint's bytes, read or skipped."""
+    slices = slices or {}
     files = checkpoint_files(model_dir)
     headers = [_header(path) for path in files]
     num_tensors = sum(len(h) for h in headers)
@@ -63,13 +71,25 @@ def iter_checkpoint(model_dir: str | Path, progress: TextIO | None = None) -> It
             start = time.perf_counter()
             size_mb = path.stat().st_size / 2**20
             log.info("loading weights %s [%d/%d] %.1f MB", path.name, i, len(files), size_mb)
+            header = headers[i - 1]
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    tensor = f.get_tensor(name)
+                    if name in slices:
+                        try:
+                            tensor = f.get_slice(name)[slices[name]]
+                        except Exception as e:   # a tensor of another rank than its slice
+                            raise ValueError(f"{path}: tensor {name!r} of shape {header[name]['shape']} "
+                                             f"cannot be read as {slices[name]} ({e})") from None
+                    else:
+                        tensor = f.get_tensor(name)
                     loaded += 1
                     bar.set_postfix_str(f"tensors {loaded}/{num_tensors}", refresh=False)
-                    bar.update(tensor.numel() * tensor.element_size())
-                    yield name, tensor, path
+                    begin, end = header[name]["data_offsets"]
+                    bar.update(end - begin)
+                    if with_shape:
+                        yield name, tensor, path, tuple(header[name]["shape"])
+                    else:
+                        yield name, tensor, path
             log.info("loaded %s in %.2fs", path.name, time.perf_counter() - start)
 
 

@@ -1,0 +1,95 @@
+"""One step's model inputs as plain ints (StepInputs), and their wire form for the
+tensor-parallel ranks: one int64 tensor that rank 0 broadcasts.
+
+Wire form (int64; tables are padded to their width with block 0, as the runner pads):
+
+    header (HEADER_LEN)                     payload
+    [op n_tok n_dec w_dec n_pre w_pre n_smp len] [ids | pos | slots | dec_lens | dec_tables
+                                                   | q_lens | kv_lens | pre_tables | sample_rows]
+                                                   n_tok  n_tok n_tok  n_dec    n_dec*w_dec
+                                                   n_pre  n_pre  n_pre*w_pre  n_smp
+
+A step is one broadcast of a fixed INLINE_LEN buffer (header + payload) when it fits;
+a bigger one sends the header alone, then the payload as a second broadcast of `len`.
+Why a tensor and not pickled objects: the collectives' own backend carries it, in step
+with them, and gloo broadcasts only tensors (costs: common/parallel/executor.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+HEADER_LEN = 8
+INLINE_LEN = 4096          # 32 KiB: a step of ~1000 tokens or 64 decodes of 1000+ tokens
+OP_STOP, OP_STEP = 0, 1
+
+
+@dataclass
+class StepInputs:
+    """What ModelRunner builds a step's tensors from; the same on every rank."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    decode_lens: list[int] = field(default_factory=list)
+    decode_tables: list[list[int]] = field(default_factory=list)    # padded rows
+    query_lens: list[int] = field(default_factory=list)
+    kv_lens: list[int] = field(default_factory=list)
+    prefill_tables: list[list[int]] = field(default_factory=list)   # padded rows
+    sample_rows: list[int] = field(default_factory=list)
+
+
+def _flat(rows: list[list[int]]) -> tuple[int, list[int]]:
+    width = len(rows[0]) if rows else 0
+    return width, [b for row in rows for b in row]
+
+
+def _rows(flat: list[int], n: int, width: int) -> list[list[int]]:
+    return [flat[i * width:(i + 1) * width] for i in range(n)]
+
+
+def pack(inputs: StepInputs) -> torch.Tensor:
+    """The wire tensor of a step: INLINE_LEN long when it fits, else header + payload."""
+    w_dec, dec = _flat(inputs.decode_tables)
+    w_pre, pre = _flat(inputs.prefill_tables)
+    payload = (inputs.input_ids + inputs.positions + inputs.slots + inputs.decode_lens + dec
+               + inputs.query_lens + inputs.kv_lens + pre + inputs.sample_rows)
+    header = [OP_STEP, len(inputs.input_ids), len(inputs.decode_lens), w_dec,
+              len(inputs.query_lens), w_pre, len(inputs.sample_rows), len(payload)]
+    values = torch.tensor(header + payload, dtype=torch.int64)
+    if len(values) >= INLINE_LEN:
+        return values
+    wire = torch.zeros(INLINE_LEN, dtype=torch.int64)
+    wire[:len(values)] = values
+    return wire
+
+
+def stop_message() -> torch.Tensor:
+    message = torch.zeros(INLINE_LEN, dtype=torch.int64)
+    message[0] = OP_STOP
+    return message
+
+
+def is_inline(wire: torch.Tensor) -> bool:
+    return HEADER_LEN + int(wire[HEADER_LEN - 1]) <= INLINE_LEN
+
+
+def unpack(header_and_inline: torch.Tensor, payload: torch.Tensor | None = None) -> StepInputs | None:
+    """StepInputs from a received INLINE_LEN buffer (and the second broadcast's payload
+    when it did not fit); None for the stop message."""
+    head = header_and_inline[:HEADER_LEN].tolist()
+    op, n_tok, n_dec, w_dec, n_pre, w_pre, n_smp, length = head
+    if op == OP_STOP:
+        return None
+    if payload is None:
+        payload = header_and_inline[HEADER_LEN:HEADER_LEN + length]
+    values = payload.tolist()
+    sizes = [n_tok, n_tok, n_tok, n_dec, n_dec * w_dec, n_pre, n_pre, n_pre * w_pre, n_smp]
+    parts, at = [], 0
+    for size in sizes:
+        parts.append(values[at:at + size])
+        at += size
+    ids, pos, slots, dec_lens, dec, q_lens, kv_lens, pre, rows = parts
+    return StepInputs(ids, pos, slots, dec_lens, _rows(dec, n_dec, w_dec), q_lens, kv_lens,
+                      _rows(pre, n_pre, w_pre), rows)

@@ -1,0 +1,149 @@
+"""A tensor-parallel worker: rank r > 0 of one engine, in its own (spawned) process.
+
+Lifecycle (`main`):
+    started (spawn)   watches its parent (sentinel thread; PR_SET_PDEATHSIG on Linux when
+                      the parent spawned it from its main thread: that signal follows the
+                      spawning thread, not the process)
+    loading           its budget of cores/threads, its shard of the weights (sliced
+                      reads), its KV cache: its KV heads, rank 0's block count and ids
+    ready             store key ready/<r>; on a load error, error/<r> holds the reason
+    grouped           joins the TP group (no timeout: it waits for rank 0 while idle)
+    stepping          receives each step's StepInputs (one broadcast, two when big), runs
+                      its shard's forward (the all-reduces and the logits gather with
+                      the other ranks); repeats until the stop message
+    exited            0 after the stop message; 1 on an error (error/<r>), or at once
+                      when rank 0's process is gone
+
+Nothing is sent back but the collectives: rank 0 alone samples.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+
+from common.config import EngineConfig
+
+log = logging.getLogger("pdmesh.engine")
+
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What rank 0 decided and a worker needs (picklable)."""
+
+    config: EngineConfig
+    rank: int
+    store_port: int
+    group_name: str
+    device: str
+    dtype: str                  # a key of llm_engine.DTYPE_BY_NAME
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    cpu_cores: tuple[int, ...]
+    num_threads: int
+    parent_pid: int
+    death_signal: bool          # PR_SET_PDEATHSIG (parent spawned from its main thread)
+
+
+def _watch_parent(spec: WorkerSpec) -> None:
+    """Exit at once when rank 0's process is gone, however it ended."""
+    if spec.death_signal and sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != spec.parent_pid:
+        os._exit(1)   # the parent died before the signal was armed
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def wait() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=wait, name="tp-parent-watch", daemon=True).start()
+
+
+def main(spec: WorkerSpec) -> None:
+    _watch_parent(spec)
+    import torch
+
+    from common.engine import cpu_budget
+    from common.parallel.group import TPGroup, make_store
+
+    cpu_budget.apply(spec.cpu_cores, spec.num_threads)
+    size = spec.config.tensor_parallel_size
+    store = make_store(spec.rank, size, spec.store_port)
+    key = f"{spec.group_name}/"
+    try:
+        runner = _load(spec)
+    except BaseException:
+        store.set(key + f"error/{spec.rank}", traceback.format_exc(limit=5))
+        sys.exit(1)
+    store.set(key + f"ready/{spec.rank}", "1")
+    try:
+        group = TPGroup(store, spec.rank, size, spec.device, timeout_s=None, name=spec.group_name)
+        runner.model.attach_group(group)
+        with torch.inference_mode():
+            _serve(group, runner)
+    except BaseException:
+        store.set(key + f"error/{spec.rank}", traceback.format_exc(limit=5))
+        sys.exit(1)
+
+
+def _load(spec: WorkerSpec):
+    import torch
+
+    from common.engine.llm_engine import DTYPE_BY_NAME
+    from common.engine.model_runner import ModelRunner
+    from common.model.config import load_model_config
+    from common.model.llama import CausalLM
+    from common.parallel.shard import plan_shard
+    from kernels import get_backend
+
+    cfg = spec.config
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif device.type == "npu":
+        import torch_npu  # noqa: F401  (untested here: no Ascend device)
+        torch.npu.set_device(device)
+    mcfg = load_model_config(cfg.model)
+    shard = plan_shard(mcfg, cfg.tensor_parallel_size, spec.rank)
+    dtype = DTYPE_BY_NAME[spec.dtype]
+    model = CausalLM(mcfg, get_backend(cfg.kernel_backend, device), dtype,
+                     max_positions=spec.max_model_len, shard=shard)
+    model.load_weights(cfg.model)
+    model.to(device)
+    model.prepare_linears()
+    kv_cache = torch.zeros(mcfg.num_layers, 2, spec.num_blocks, spec.block_size, shard.num_kv_heads,
+                           mcfg.head_dim, dtype=dtype, device=device)
+    return ModelRunner(model, kv_cache, spec.block_size)
+
+
+def _serve(group, runner) -> None:
+    import torch
+
+    from common.parallel.step_inputs import INLINE_LEN, HEADER_LEN, is_inline, unpack
+
+    wire = torch.empty(INLINE_LEN, dtype=torch.int64)
+    while True:
+        group.broadcast(wire)
+        payload = None
+        if not is_inline(wire):
+            payload = group.broadcast(torch.empty(int(wire[HEADER_LEN - 1]), dtype=torch.int64))
+        inputs = unpack(wire, payload)
+        if inputs is None:
+            return
+        runner.forward(inputs)
