@@ -225,8 +225,10 @@ def run(args: argparse.Namespace) -> int:
     from common.config import load_mesh_config
     try:
         mesh_cfg = load_mesh_config(args.config)
-        for node in (None, *mesh_cfg.nodes):   # engine fields valid (cpu_cores among them) before anything starts
-            mesh_cfg.engine_config(node)
+        from common.parallel import check_role
+        for node in mesh_cfg.nodes:   # engine fields valid (cpu_cores among them) before anything starts
+            check_role(node.role, mesh_cfg.engine_config(node).tensor_parallel_size)
+        mesh_cfg.engine_config()
         ensure_model(mesh_cfg)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -15,6 +15,7 @@ import grpc
 from common.config import MeshConfig, NodeConfig
 from common.engine.async_engine import AsyncEngine
 from common.engine.llm_engine import LLMEngine
+from common.parallel import check_role
 from common.transfer.kv_writes import KVSender
 from common.transfer.layout import KVLayout
 from common.transfer.factory import create_transfer
@@ -62,7 +63,9 @@ def grpc_transfer_security(credentials=None) -> dict:
 class EngineNode:
     def __init__(self, mesh: MeshConfig, node: NodeConfig):
         self.mesh, self.node = mesh, node
-        self.llm_engine = LLMEngine(mesh.engine_config(node))
+        engine_config = mesh.engine_config(node)
+        check_role(node.role, engine_config.tensor_parallel_size)
+        self.llm_engine = LLMEngine(engine_config)
         self.engine = AsyncEngine(self.llm_engine)
         self.transfer = create_transfer(mesh.transfer.backend, **transfer_options(mesh, node.advertised_host))
         kv = self.llm_engine.kv_cache
@@ -88,7 +91,8 @@ class EngineNode:
             model_id=self.engine.model_id, transfer_backend=self.transfer.name,
             transfer_endpoint=self.transfer.endpoint, kv_layout=self.layout.to_proto(),
             load=self.load(stats), max_model_len=self.engine.max_model_len,
-            transfer_listen_addresses=list(self.transfer.listen_addresses))
+            transfer_listen_addresses=list(self.transfer.listen_addresses),
+            tensor_parallel_size=self.llm_engine.config.tensor_parallel_size)
 
     def load(self, stats: dict[str, int]) -> common_pb2.NodeLoad:
         return common_pb2.NodeLoad(running=stats["running"] + stats["kv_remote"],
@@ -129,5 +133,6 @@ class EngineNode:
         if self.kv_store is not None:
             await self.kv_store.close()
         self.engine.shutdown()
+        self.llm_engine.close()   # its tensor-parallel rank processes
         self.executor.shutdown(wait=True)
         self.transfer.close()

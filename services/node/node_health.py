@@ -1,7 +1,8 @@
 """What an engine node says about itself: grpc.health and its membership follow its
 engine, every POLL_S.
 
-  engine dead (the step loop raised)  -> NOT_SERVING at once, leave the mesh (deregister
+  engine dead (the step loop raised, or one of its tensor-parallel ranks exited, also
+      while the engine is idle)      -> NOT_SERVING at once, leave the mesh (deregister
       / revoke the lease: routed to no more), `failed` is set; the requests in flight have
       already failed UNAVAILABLE (the gateway migrates them). The process then exits
       non-zero (services/cli/serve.py) so that its supervisor restarts it: `pdmesh up`,
@@ -41,8 +42,10 @@ class NodeHealth:
         engine = self.node.engine
         while True:
             await asyncio.sleep(POLL_S)
-            if engine.error is not None:
-                await self._engine_died(engine.error)
+            tp = getattr(self.node.llm_engine, "tp", None)
+            rank_failure = tp.failure() if tp is not None else None
+            if engine.error is not None or rank_failure is not None:
+                await self._engine_died(engine.error or RuntimeError(rank_failure))
                 return
             stalled = engine.stalled_for_s() > self.stall_s
             if stalled != self.stalled:
