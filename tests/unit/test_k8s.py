@@ -341,7 +341,9 @@ def test_accelerators_of_each_overlay(overlay):
         host_paths = {v["name"]: v["hostPath"]["path"] for v in spec.get("volumes", []) if "hostPath" in v}
         mounted = {m["mountPath"] for m in c["volumeMounts"] if host_paths.get(m["name"]) == m["mountPath"]}
         if args.role in ENGINE_ROLES and resource is not None:
-            assert limits.get(resource) == 1, wl_name
+            # one device per tensor-parallel rank of the node (nodes[].engine over engine)
+            tp = mesh.engine_config(mesh.node(args.node_id)).tensor_parallel_size
+            assert limits.get(resource) == tp, wl_name
             assert c["image"] == f"pdmesh:{device if name == 'nvidia' else name}", wl_name
         else:
             assert not {k for k in limits if "/" in k}, f"{wl_name}: no accelerator"
