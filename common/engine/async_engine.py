@@ -343,10 +343,11 @@ class AsyncEngine(EngineView):
         return await self._run_on_engine(self.engine.stats, in_forward=True)
 
     # ---- lifetime ------------------------------------------------------------------
-    def shutdown(self) -> None:
+    def shutdown(self) -> bool:
         """Stop the step thread. Commands queued before still run (the step thread drains
         them before it exits); any later call fails with EngineDeadError, and so do queued
-        ones if the thread does not exit in time: no caller waits forever."""
+        ones if the thread does not exit in time: no caller waits forever. True when the
+        step thread has ended (False: it is still inside a step after the wait)."""
         with self._wake:
             self._stopped = True
             self._wake.notify()
@@ -355,6 +356,7 @@ class AsyncEngine(EngineView):
         self._fail_queued(error)
         for box in list(self._outboxes.values()):
             box.put(error)   # no stream waits forever
+        return not self._thread.is_alive()
 
     def _fail_queued(self, error: BaseException) -> None:
         with self._wake:

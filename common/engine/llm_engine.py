@@ -85,12 +85,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        from common.parallel.executor import TPExecutor, rank_cpu_budget, rank_device
         from common.parallel.shard import plan_shard
         self.config = config
         tp_size = config.tensor_parallel_size
-        cpu_budget.apply(*rank_cpu_budget(config.cpu_cores, config.num_threads, tp_size, 0))
-        self.device = torch.device(rank_device(config.device, 0) if tp_size > 1 else config.device)
+        if tp_size == 1:
+            cpu_budget.apply(config.cpu_cores, config.num_threads)
+            self.device = torch.device(config.device)
+        else:   # torch.distributed and the worker code only when there are ranks
+            from common.parallel.executor import TPExecutor, rank_cpu_budget, rank_device
+            cpu_budget.apply(*rank_cpu_budget(config.cpu_cores, config.num_threads, tp_size, 0))
+            self.device = torch.device(rank_device(config.device, 0))
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)   # as the workers do: collectives use the current device
         self.model_config = mcfg = load_model_config(config.model)
         self.shard = plan_shard(mcfg, tp_size, 0)     # ValueError naming tensor_parallel_size
         self.backend = get_backend(config.kernel_backend, self.device)
@@ -116,20 +122,24 @@ class LLMEngine:
             config, dtype=next(k for k, v in DTYPE_BY_NAME.items() if v == self.dtype),
             num_blocks=self.num_blocks, block_size=self.block_size, max_model_len=self.max_model_len)
         try:
-            self.model = CausalLM(mcfg, self.backend, self.dtype, max_positions=self.max_model_len,
-                                  shard=self.shard)
-            self.model.load_weights(config.model)
-            self.model.to(self.device)
-            self.model.prepare_linears()
-            self.kv_cache = torch.zeros(mcfg.num_layers, 2, self.num_blocks, self.block_size,
-                                        self.shard.num_kv_heads, mcfg.head_dim, dtype=self.dtype,
-                                        device=self.device)
-            if self.tp is not None:
-                self.model.attach_group(self.tp.wait_ready())
+            self._build(config, mcfg, start)
         except BaseException:
-            if self.tp is not None:
-                self.tp.close()
+            self.close()   # no worker outlives an engine that failed to start
             raise
+
+    def _build(self, config: EngineConfig, mcfg, start: float) -> None:
+        """The rest of __init__ (rank 0's model and KV cache, the scheduler, the tokenizer),
+        after the workers were spawned."""
+        self.model = CausalLM(mcfg, self.backend, self.dtype, max_positions=self.max_model_len,
+                              shard=self.shard)
+        self.model.load_weights(config.model)
+        self.model.to(self.device)
+        self.model.prepare_linears()
+        self.kv_cache = torch.zeros(mcfg.num_layers, 2, self.num_blocks, self.block_size,
+                                    self.shard.num_kv_heads, mcfg.head_dim, dtype=self.dtype,
+                                    device=self.device)
+        if self.tp is not None:
+            self.model.attach_group(self.tp.wait_ready())
         self.model_id = config.model_id or Path(config.model).resolve().name
         self.layout = layout_key(KVLayout.of_tensor(self.kv_cache))
         self.block_manager = BlockManager(self.num_blocks, self.block_size, self.model_id,
@@ -150,11 +160,13 @@ class LLMEngine:
                  self.model_id, self.device, self.backend.name, self.dtype, self.num_blocks,
                  self.block_size, self.max_model_len, time.perf_counter() - start)
 
-    def close(self) -> None:
+    def close(self, graceful: bool = True) -> None:
         """Stop the tensor-parallel worker processes (idempotent; nothing to do at
-        tensor_parallel_size 1). At TP > 1 a step after it raises RuntimeError."""
-        if self.tp is not None:
-            self.tp.close()
+        tensor_parallel_size 1). At TP > 1 a step after it raises RuntimeError. graceful
+        sends the workers a stop message, a collective: only when no step runs on another
+        thread (else they are killed)."""
+        if getattr(self, "tp", None) is not None:
+            self.tp.close(graceful)
 
     @staticmethod
     def _load_tokenizer(model_dir: str):

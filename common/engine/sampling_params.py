@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20   # top tokens per position a request may ask for (OpenAI's bound)
+
 
 @dataclass
 class SamplingParams:
@@ -35,8 +37,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**64):
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if vocab_size is not None and self.logprobs is not None and self.logprobs >= vocab_size:
+            raise ValueError(f"logprobs must be below the vocabulary size ({vocab_size}), got {self.logprobs}")
         if vocab_size is not None:
             for i, t in enumerate(self.stop_token_ids):
                 if not 0 <= t < vocab_size:

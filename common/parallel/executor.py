@@ -18,11 +18,14 @@ all-reduces of ~0.9 ms each; a TP 2 step took 21-26 ms against 5-6 ms at TP 1 (t
 ranks on two cores: TP pays off only where a rank has its own device or cores).
 
 Failure: rank 0 checks the workers' sentinels before each step (one select call) and
-waits at most COLLECTIVE_TIMEOUT_S in any collective; a dead peer makes gloo raise at
-once. Either way the step raises RuntimeError naming the rank, its pid and exit code,
+waits at most COLLECTIVE_TIMEOUT_S in any gloo collective; a dead peer makes gloo raise
+at once. (On nccl / hccl the model's collectives do not block the CPU: a dead peer is
+found by the sentinels and the next step's gloo broadcast, and a hung one by those
+backends' own watchdogs; neither is tested here, which has no GPU or NPU.) Either way the step raises RuntimeError naming the rank, its pid and exit code,
 the remaining workers are stopped, and every later step raises the same error. Workers
 exit when rank 0's process is gone (worker.py). close() stops them (a stop message,
-then SIGTERM, then SIGKILL); a finalizer does the same when the executor is collected
+then SIGKILL: they ignore SIGTERM and SIGINT, which a stop of the node's process group
+sends them too, so that they never die in the middle of a step rank 0 still finishes); a finalizer does the same when the executor is collected
 or the interpreter exits, and the workers are daemonic.
 
 Spawn (not fork: torch's threads and a forked gRPC runtime do not survive fork)
@@ -82,14 +85,13 @@ def rank_cpu_budget(cpu_cores: tuple[int, ...], num_threads: int, size: int,
 
 
 def _reap(procs: list) -> None:
+    """SIGKILL what still runs (workers ignore SIGTERM, worker.py; they hold nothing that
+    needs a graceful end: the stop message is that path) and reap it."""
     for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(2.0)
         if p.is_alive():
             p.kill()
-            p.join(2.0)
+    for p in procs:
+        p.join(2.0)
 
 
 class TPExecutor:
@@ -167,12 +169,15 @@ class TPExecutor:
 
     def failure(self) -> str | None:
         """Why the group cannot step any more (a worker exited, an earlier step failed,
-        or it was closed), or None; does not block. For a node's health watch: a rank
-        that dies while the engine is idle is found here, not only at the next step."""
+        or it was closed), or None. Never blocks (no join, no store read: another thread
+        may be reaping the same process), so a node's health watch may call it on its
+        event loop: a rank that dies while the engine is idle is found here, not only at
+        the next step."""
         if self._error is not None:
             return str(self._error)
         dead = self._dead(timeout=0)
-        return self._describe(dead) if dead else None
+        return "; ".join(f"tensor-parallel rank {self.procs.index(p) + 1} (pid {p.pid}) exited"
+                         for p in dead) or None
 
     def _dead(self, timeout: float) -> list:
         ready = multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout)
@@ -203,13 +208,14 @@ class TPExecutor:
             self._finalizer()
         return self._error
 
-    def close(self) -> None:
-        """Stop every worker (idempotent): the stop message when the group is healthy,
-        then SIGTERM / SIGKILL for any still running."""
+    def close(self, graceful: bool = True) -> None:
+        """Stop every worker (idempotent): the stop message when the group is healthy and
+        graceful (only on the thread that steps, or once no step can run: it is a
+        collective), then SIGKILL for any still running."""
         if self._closed:
             return
         self._closed = True
-        if self.group is not None and self._error is None and not self._dead(timeout=0):
+        if graceful and self.group is not None and self._error is None and not self._dead(timeout=0):
             try:
                 self.group.broadcast(stop_message())
             except Exception as e:   # a worker died meanwhile

@@ -57,7 +57,10 @@ def _backend(name: str, store, rank: int, size: int, timeout: datetime.timedelta
 
 
 class TPGroup:
-    """rank/size plus the three collectives the sharded model and the step broadcast use."""
+    """rank/size plus the three collectives the sharded model and the step broadcast use.
+    all_reduce and gather run on the device's backend; broadcast (the step inputs, CPU
+    int64 tensors) on gloo: the same group on cpu, a second one beside nccl / hccl, which
+    take device tensors only (vLLM's cpu_group)."""
 
     def __init__(self, store, rank: int, size: int, device: torch.device | str,
                  timeout_s: float | None, name: str = "tp"):
@@ -66,6 +69,8 @@ class TPGroup:
         self.backend = backend_name(self.device)
         self._pg = _backend(self.backend, dist.PrefixStore(f"{name}/", store), rank, size,
                             _timeout(timeout_s))
+        self._cpu_pg = self._pg if self.backend == "gloo" else _backend(
+            "gloo", dist.PrefixStore(f"{name}/cpu/", store), rank, size, _timeout(timeout_s))
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place; returns tensor."""
@@ -73,8 +78,9 @@ class TPGroup:
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
-        """Rank root's tensor into every rank's (same shape and dtype), in place."""
-        self._pg.broadcast([tensor], dist.BroadcastOptions() if root == 0 else _root(root)).wait()
+        """Rank root's CPU tensor into every rank's (same shape and dtype), in place, over
+        gloo (whatever the device's backend)."""
+        self._cpu_pg.broadcast([tensor], dist.BroadcastOptions() if root == 0 else _root(root)).wait()
         return tensor
 
     def gather(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:

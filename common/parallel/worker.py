@@ -76,6 +76,11 @@ def _watch_parent(spec: WorkerSpec) -> None:
 
 
 def main(spec: WorkerSpec) -> None:
+    # rank 0 ends this process (the stop message, or SIGTERM/SIGKILL from close()); a
+    # signal to the whole process group (Ctrl-C, `pdmesh up` stopping the node) must not
+    # kill it in the middle of a step that rank 0 is still finishing
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _watch_parent(spec)
     import torch
 

@@ -221,6 +221,18 @@ def _supervise_with(mesh, start_timeout_s: float, restarts: dict, health: _Healt
                     return 1
 
 
+def _check_tensor_parallel(mesh_cfg) -> None:
+    """Every node's TP size fits the model (its heads divide), before any node starts:
+    otherwise the node would fail to load and be restarted forever."""
+    from common.model.config import load_model_config
+    from common.parallel.shard import check_tensor_parallel
+    sizes = {mesh_cfg.engine_config(n).tensor_parallel_size for n in mesh_cfg.nodes} - {1}
+    if sizes:
+        model = load_model_config(mesh_cfg.model)
+        for size in sorted(sizes):
+            check_tensor_parallel(model, size)
+
+
 def run(args: argparse.Namespace) -> int:
     from common.config import load_mesh_config
     try:
@@ -230,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
             check_role(node.role, mesh_cfg.engine_config(node).tensor_parallel_size)
         mesh_cfg.engine_config()
         ensure_model(mesh_cfg)
+        _check_tensor_parallel(mesh_cfg)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ import re
 NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 MAX_FIELD_CHARS = 256     # address, model_id, transfer endpoint, instance_id
 TRANSFER_BACKENDS = ("mooncake", "grpc", "fake")
+MAX_TENSOR_PARALLEL = 64
 
 
 def node_info_error(node) -> str:
@@ -26,7 +27,14 @@ def node_info_error(node) -> str:
         return f"node.transfer_backend must be one of {', '.join(TRANSFER_BACKENDS)}"
     if len(node.transfer_listen_addresses) > 8 or any(len(a) > MAX_FIELD_CHARS for a in node.transfer_listen_addresses):
         return f"node.transfer_listen_addresses: at most 8 of at most {MAX_FIELD_CHARS} characters each"
-    layout = node.kv_layout
-    if len(layout.dtype) > 32 or len(layout.strides) > 8:
-        return "node.kv_layout: dtype at most 32 characters, at most 8 strides"
+    for where, layout in (("node.kv_layout", node.kv_layout),
+                          *((f"node.kv_ranks[{i}].layout", r.layout) for i, r in enumerate(node.kv_ranks))):
+        if len(layout.dtype) > 32 or len(layout.strides) > 8:
+            return f"{where}: dtype at most 32 characters, at most 8 strides"
+    if not 0 <= node.tensor_parallel_size <= MAX_TENSOR_PARALLEL:
+        return f"node.tensor_parallel_size must be in [0, {MAX_TENSOR_PARALLEL}] (0 or 1: one rank)"
+    if len(node.kv_ranks) not in (0, max(node.tensor_parallel_size, 1)):
+        return "node.kv_ranks must be empty or one entry per tensor-parallel rank"
+    if any(len(r.transfer_endpoint) > MAX_FIELD_CHARS for r in node.kv_ranks):
+        return f"node.kv_ranks[].transfer_endpoint must be at most {MAX_FIELD_CHARS} characters"
     return ""

@@ -121,7 +121,11 @@ class Router:
             raise NoNodeError(f"no live, undrained decode node for model {request.model_id!r}")
         hashes = request.block_hashes
         decode = self._pick("decode", decodes, policy, hashes)
-        prefills = self._tp_compatible(decode, [m for m in usable if m.role == "prefill"])
+        every_prefill = [m for m in usable if m.role == "prefill"]
+        prefills = self._tp_compatible(decode, every_prefill)
+        if every_prefill and not prefills and decode.role == "decode" \
+                and request.num_prompt_tokens >= self.local_prefill_max_tokens:
+            self.num_tp_refused += 1   # prefilled locally only because no prefill node's TP fits
         ranked: list[Member] = []
         if decode.role == "decode" and prefills and not self._prefill_locally(request, decode, prefills):
             ranked = self._rank("prefill", prefills, policy, hashes, request.store_hit_blocks)
@@ -145,8 +149,6 @@ class Router:
                 self._tp_refusals_logged.add((p, heads_p, d, heads_d))
                 log.warning("prefill node %s cannot push into decode node %s: %s; such pairs are never routed",
                             m.node_id, decode.node_id, refusal)
-        if not fit:
-            self.num_tp_refused += 1
         return fit
 
     def _prefill_locally(self, request: RouteRequest, decode: Member, prefills: list[Member]) -> bool:

@@ -67,9 +67,13 @@ class EngineNode:
         check_role(node.role, engine_config.tensor_parallel_size)
         self.llm_engine = LLMEngine(engine_config)
         self.engine = AsyncEngine(self.llm_engine)
-        self.transfer = create_transfer(mesh.transfer.backend, **transfer_options(mesh, node.advertised_host))
-        kv = self.llm_engine.kv_cache
-        self.transfer.register(kv.data_ptr(), kv.numel() * kv.element_size())
+        try:
+            self.transfer = create_transfer(mesh.transfer.backend, **transfer_options(mesh, node.advertised_host))
+            kv = self.llm_engine.kv_cache
+            self.transfer.register(kv.data_ptr(), kv.numel() * kv.element_size())
+        except BaseException:   # no step thread or rank left behind by a node that did not start
+            self.llm_engine.close(graceful=self.engine.shutdown())
+            raise
         self.layout = KVLayout.of_tensor(kv)
         self.sender = KVSender(self.transfer, self.layout)
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{node.node_id}-kv")
@@ -132,7 +136,9 @@ class EngineNode:
             await ch.close()
         if self.kv_store is not None:
             await self.kv_store.close()
-        self.engine.shutdown()
-        self.llm_engine.close()   # its tensor-parallel rank processes
+        stepped_out = self.engine.shutdown()
+        # its tensor-parallel ranks: the stop message is a collective, sent only once no
+        # step can run beside it (else they are killed)
+        self.llm_engine.close(graceful=stepped_out)
         self.executor.shutdown(wait=True)
         self.transfer.close()

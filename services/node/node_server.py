@@ -43,9 +43,13 @@ async def create_node_server(mesh: MeshConfig, node_cfg: NodeConfig, port: int |
     bound = grpc_util.bind(server, node_cfg.host, node_cfg.port if port is None else port)
     await server.start()
     # before joining: a taken metrics port fails the start with the node still out of the mesh
-    async with grpc_util.stopped_on_error(server):
+    try:
         server.metrics_server = await serve_metrics(node.metrics.registry, node_cfg.host, node_cfg.metrics_port,
                                                     node_cfg.node_id)   # None when metrics_port is 0
+    except BaseException:   # the node too: its step thread, ranks and transfer engine
+        await server.stop(None)
+        await node.close()
+        raise
     node.start(f"{node_cfg.advertised_host}:{bound}")
     await grpc_util.mark_serving(health, names)
     server.node = node

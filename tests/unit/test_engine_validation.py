@@ -120,3 +120,11 @@ def test_async_engine_after_shutdown_fails_fast_and_never_strands_a_caller(llm):
                 pass
 
     asyncio.run(scenario())
+
+
+def test_logprobs_must_be_below_the_vocabulary_size():
+    """topk(n) over a vocabulary smaller than n would raise in the step thread (and end
+    the engine): refused at validation instead."""
+    SamplingParams(logprobs=3).validate(vocab_size=4)
+    with pytest.raises(ValueError, match=r"logprobs must be below the vocabulary size \(4\), got 4"):
+        SamplingParams(logprobs=4).validate(vocab_size=4)

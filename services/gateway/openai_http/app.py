@@ -28,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common.engine.sampling_params import MAX_LOGPROBS
 from protos.pdmesh.v1 import common_pb2, gateway_pb2
 from services.gateway import public_errors
 from services.gateway.openai_http import schemas, streaming
@@ -281,7 +282,7 @@ def _sampling(body, max_tokens: int, max_tokens_name: str = "max_tokens") -> com
     if body.seed is not None:
         s.seed = _int("seed", body.seed, 0, 2**64 - 1)
     if body.num_logprobs is not None:
-        s.logprobs = _int("logprobs", body.num_logprobs, -INT32_MAX, INT32_MAX)
+        s.logprobs = _int("logprobs", body.num_logprobs, 0, MAX_LOGPROBS)   # before any prompt is routed
     if body.stop is not None:
         s.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
     for i, t in enumerate(body.stop_token_ids or ()):

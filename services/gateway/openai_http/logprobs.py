@@ -6,8 +6,10 @@ first, then the model's top tokens, the sampled one not repeated). Here each bec
         {"tokens": [str], "token_logprobs": [float], "top_logprobs": [{str: float}],
          "text_offset": [int]}
         top_logprobs: the N most likely tokens (a dict keyed by token text, as OpenAI's);
-        text_offset: where each token's text starts in the choice's text, counted across
-        a stream's chunks
+        text_offset: the summed lengths of the earlier tokens' texts, counted across a
+        stream's chunks: where each token starts in the choice's text for byte-level
+        tokenizers (GPT-2, Llama-3, Qwen), an approximation for SentencePiece ones, whose
+        decoder drops a lone token's leading space
     /v1/chat/completions (`logprobs: true, top_logprobs: N`), per choice or chunk:
         {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
          "bytes"}] * N}]}

@@ -22,6 +22,7 @@ import time
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from common.engine.sampling_params import MAX_LOGPROBS
 from protos.pdmesh.v1 import common_pb2, gateway_pb2
 from services.gateway.openai_http.errors import CHAT_RENAMES
 from services.gateway.openai_http.logprobs import ChatLogprobs, CompletionLogprobs, TokenTexts
@@ -116,8 +117,8 @@ class ChatCompletionRequest(_Request):
     def unsupported(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs is only allowed with logprobs: true"
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
-            return "top_logprobs", f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs}"
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            return "top_logprobs", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}"
         if self.tools:
             return "tools", "tools are not supported (no tool-call parsing)"
         if self.response_format and self.response_format.get("type") not in (None, "text"):

@@ -1,0 +1,39 @@
+"""What a NodeInfo may hold before the meta-server lists it (services/meta_server/node_info_check.py)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from protos.pdmesh.v1 import common_pb2
+from services.meta_server.node_info_check import node_info_error
+
+
+def info(**fields) -> common_pb2.NodeInfo:
+    return common_pb2.NodeInfo(node_id="n0", role="decode", address="127.0.0.1:1", **fields)
+
+
+def test_a_plain_node_and_a_tp_node_with_one_entry_per_rank_pass():
+    assert node_info_error(info()) == ""
+    ranks = [common_pb2.KVRank(transfer_endpoint=f"127.0.0.1:{p}") for p in (1, 2)]
+    assert node_info_error(info(tensor_parallel_size=2, kv_ranks=ranks)) == ""
+    assert node_info_error(info(tensor_parallel_size=2)) == ""
+
+
+@pytest.mark.parametrize("fields,error", [
+    ({"tensor_parallel_size": -1}, r"node.tensor_parallel_size must be in \[0, 64\]"),
+    ({"tensor_parallel_size": 1000}, r"node.tensor_parallel_size must be in \[0, 64\]"),
+    ({"tensor_parallel_size": 2, "kv_ranks": [common_pb2.KVRank()] * 3}, "one entry per tensor-parallel rank"),
+    ({"kv_ranks": [common_pb2.KVRank(transfer_endpoint="x" * 300)]}, "transfer_endpoint must be at most 256"),
+    ({"kv_ranks": [common_pb2.KVRank(layout=common_pb2.KVLayout(strides=[1] * 9))]},
+     r"node.kv_ranks\[0\].layout: dtype at most 32 characters, at most 8 strides"),
+    ({"role": "boss"}, "node.role must be one of prefill, decode, both"),
+])
+def test_bad_fields_are_named(fields, error):
+    msg = info()
+    for name, value in fields.items():
+        if name == "kv_ranks":
+            msg.kv_ranks.extend(value)
+        else:
+            setattr(msg, name, value)
+    assert re.search(error, node_info_error(msg)), node_info_error(msg)
