@@ -45,7 +45,7 @@ import torch
 from common.config import EngineConfig
 from common.engine import cpu_budget
 from common.engine.block_manager import BlockManager
-from common.engine.model_runner import ModelRunner
+from common.engine.model_runner import ModelRunner, load_rank
 from common.engine.sampler import compute_logprobs, sample
 from common.engine.sampling_params import SamplingParams
 from common.engine.lifecycle import RequestState
@@ -54,7 +54,6 @@ from common.engine.sequence import Sequence
 from common.engine.validation import validate_request, validate_resume_position
 from common.hashing import layout_key
 from common.model.config import load_model_config
-from common.model.llama import CausalLM
 from common.transfer.layout import KVLayout
 from kernels import get_backend
 
@@ -130,14 +129,8 @@ class LLMEngine:
     def _build(self, config: EngineConfig, mcfg, start: float) -> None:
         """The rest of __init__ (rank 0's model and KV cache, the scheduler, the tokenizer),
         after the workers were spawned."""
-        self.model = CausalLM(mcfg, self.backend, self.dtype, max_positions=self.max_model_len,
-                              shard=self.shard)
-        self.model.load_weights(config.model)
-        self.model.to(self.device)
-        self.model.prepare_linears()
-        self.kv_cache = torch.zeros(mcfg.num_layers, 2, self.num_blocks, self.block_size,
-                                    self.shard.num_kv_heads, mcfg.head_dim, dtype=self.dtype,
-                                    device=self.device)
+        self.model, self.kv_cache = load_rank(mcfg, self.backend, self.dtype, self.device, config.model,
+                                              self.shard, self.max_model_len, self.num_blocks, self.block_size)
         if self.tp is not None:
             self.model.attach_group(self.tp.wait_ready())
         self.model_id = config.model_id or Path(config.model).resolve().name

@@ -30,6 +30,21 @@ from common.parallel.step_inputs import StepInputs
 from kernels import DecodeMetadata, PrefillMetadata
 
 
+def load_rank(mcfg, backend, dtype: torch.dtype, device: torch.device, model_dir: str, shard,
+              max_model_len: int, num_blocks: int, block_size: int) -> tuple[CausalLM, torch.Tensor]:
+    """One rank's model (its shard's weights, read from model_dir, on device, linears
+    prepared) and its zeroed KV cache [num_layers, 2, num_blocks, block_size, its KV
+    heads, head_dim]: what rank 0 (LLMEngine) and every worker (common/parallel/worker.py)
+    build alike."""
+    model = CausalLM(mcfg, backend, dtype, max_positions=max_model_len, shard=shard)
+    model.load_weights(model_dir)
+    model.to(device)
+    model.prepare_linears()
+    kv_cache = torch.zeros(mcfg.num_layers, 2, num_blocks, block_size, shard.num_kv_heads, mcfg.head_dim,
+                           dtype=dtype, device=device)
+    return model, kv_cache
+
+
 def _padded(tables: list[list[int]]) -> list[list[int]]:
     width = max(len(t) for t in tables)
     return [t + [0] * (width - len(t)) for t in tables]

@@ -111,9 +111,8 @@ def _load(spec: WorkerSpec):
     import torch
 
     from common.engine.llm_engine import DTYPE_BY_NAME
-    from common.engine.model_runner import ModelRunner
+    from common.engine.model_runner import ModelRunner, load_rank
     from common.model.config import load_model_config
-    from common.model.llama import CausalLM
     from common.parallel.shard import plan_shard
     from kernels import get_backend
 
@@ -126,14 +125,8 @@ def _load(spec: WorkerSpec):
         torch.npu.set_device(device)
     mcfg = load_model_config(cfg.model)
     shard = plan_shard(mcfg, cfg.tensor_parallel_size, spec.rank)
-    dtype = DTYPE_BY_NAME[spec.dtype]
-    model = CausalLM(mcfg, get_backend(cfg.kernel_backend, device), dtype,
-                     max_positions=spec.max_model_len, shard=shard)
-    model.load_weights(cfg.model)
-    model.to(device)
-    model.prepare_linears()
-    kv_cache = torch.zeros(mcfg.num_layers, 2, spec.num_blocks, spec.block_size, shard.num_kv_heads,
-                           mcfg.head_dim, dtype=dtype, device=device)
+    model, kv_cache = load_rank(mcfg, get_backend(cfg.kernel_backend, device), DTYPE_BY_NAME[spec.dtype], device,
+                                cfg.model, shard, spec.max_model_len, spec.num_blocks, spec.block_size)
     return ModelRunner(model, kv_cache, spec.block_size)
 
 
