@@ -6,32 +6,17 @@ computes the prompt itself: the client still gets every token's logprobs."""
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 
 from common.engine import SamplingParams
 from tests.prefill_pair import PrefillPair
+from tests.unit.test_remote_prefill import model, prompt, reference  # noqa: F401  (fixtures: tiny llama, its offline engine)
 from tests.unit.test_request_lifecycle import assert_idle, engine_of
 
 NUM_TOP = 3
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=NUM_TOP)
 TOL = 1e-4
-
-
-def prompt(seed: int, n: int = 40) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1000) for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model):
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def reference(model, llm_factory):
-    return llm_factory(model, max_model_len=256)
 
 
 def expect(reference, p):
