@@ -1,0 +1,100 @@
+"""Tensor parallelism on this machine (issue 16): per-rank weight memory and the decode
+step at tensor_parallel_size 1 and 2, on the bench model.
+
+    python bench/tp.py [--rounds 3] [--steps 24] [--out bench/results/tp.json]
+
+Per TP size: rank 0's parameter bytes (every rank holds the same share), each rank
+process's resident memory (VmRSS) once loaded, and the median decode step at batch 1
+and batch 8 (greedy, 16-token prompts; one engine per round, the sizes alternating
+1, 2, 1, 2, ... so a drifting machine treats both alike). The KV push between TP sizes
+(p = d, p = 2d) is not measured: the per-rank push is not built yet (README "Tensor
+parallelism"). Writes the JSON and prints a summary.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from bench_model import BENCH_MODEL, ROOT, ensure_bench_model  # noqa: F401  (puts the repository on sys.path)
+
+from services.bench.machine import machine_info  # noqa: E402
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def decode_steps(engine, batch: int, steps: int, seed: int) -> list[float]:
+    """Seconds of each decode step of `batch` requests (their prefill excluded)."""
+    from common.engine.sampling_params import SamplingParams
+    rng = random.Random(seed)
+    for i in range(batch):
+        engine.add_request(f"b{batch}-{seed}-{i}", [rng.randrange(3, 600) for _ in range(16)],
+                           SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
+    engine.step()   # the prefill (and first token)
+    times = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def measure(model: Path, tp: int, steps: int, seed: int) -> dict:
+    from common.config import EngineConfig
+    from common.engine.llm_engine import LLMEngine
+    engine = LLMEngine(EngineConfig(str(model), num_blocks=256, max_model_len=1024,
+                                    tensor_parallel_size=tp))
+    try:
+        out = {"param_mib_per_rank": sum(engine.model.dense_bytes.values()) / 2**20,   # before prepare_linears
+               "rss_mib": [rss_mib(os.getpid()), *(rss_mib(p) for p in (engine.tp.pids if engine.tp else []))]}
+        for batch in (1, 8):
+            times = decode_steps(engine, batch, steps, seed)
+            out[f"step_b{batch}_ms"] = statistics.median(times) * 1e3
+        return out
+    finally:
+        engine.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=24, help="decode steps per batch size")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "tp.json"))
+    args = ap.parse_args()
+    model = ensure_bench_model()
+    rounds = []
+    for r in range(args.rounds):
+        for tp in (1, 2):
+            result = measure(model, tp, args.steps, seed=r)
+            rounds.append({"round": r, "tp": tp, **result})
+            print(f"round {r} tp {tp}: params/rank {result['param_mib_per_rank']:.0f} MiB, RSS "
+                  f"{', '.join(f'{m:.0f}' for m in result['rss_mib'])} MiB, step b1 {result['step_b1_ms']:.1f} ms, "
+                  f"b8 {result['step_b8_ms']:.1f} ms", flush=True)
+    medians = {}
+    for tp in (1, 2):
+        mine = [x for x in rounds if x["tp"] == tp]
+        medians[tp] = {k: statistics.median(x[k] for x in mine) for k in ("param_mib_per_rank", "step_b1_ms", "step_b8_ms")}
+        medians[tp]["rss_mib_per_rank"] = [statistics.median(x["rss_mib"][i] for x in mine) for i in range(tp)]
+    ratios = {k: medians[2][k] / medians[1][k] for k in ("param_mib_per_rank", "step_b1_ms", "step_b8_ms")}
+    report = {"command": " ".join(["python", "bench/tp.py", *sys.argv[1:]]), "machine": machine_info(),
+              "model": model.name, "model_sizes": BENCH_MODEL, "rounds": rounds, "medians": medians, "ratios_tp2_over_tp1": ratios,
+              "kv_push": "not measured: the per-rank KV push between TP sizes is not built yet"}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"TP 2 / TP 1: params per rank {ratios['param_mib_per_rank']:.2f}x, decode step b1 "
+          f"{ratios['step_b1_ms']:.2f}x, b8 {ratios['step_b8_ms']:.2f}x; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
