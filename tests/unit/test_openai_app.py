@@ -196,16 +196,20 @@ def test_batch_prompts_come_back_in_order():
 
 def test_chat_template_kwargs_may_not_set_what_render_sets():
     async def check(servicer, base_url, port):
-        for name in ("messages", "add_generation_prompt", "bos_token"):
-            with pytest.raises(openai.BadRequestError) as e:
-                await client(base_url).chat.completions.create(
-                    model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                    extra_body={"chat_template_kwargs": {name: "x"}})
-            error = e.value.body
-            assert error["param"] == "chat_template_kwargs" and f"['{name}']" in error["message"]
-        assert servicer.requests == []
-        out = await client(base_url).chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-        assert out.choices[0].message.content == "t0 t1 "
+        # closed here: an unclosed client's httpx pool is closed by its finalizer on
+        # whatever event loop runs when it is collected (another test's, which then sees
+        # "Event loop is closed")
+        async with client(base_url) as c:
+            for name in ("messages", "add_generation_prompt", "bos_token"):
+                with pytest.raises(openai.BadRequestError) as e:
+                    await c.chat.completions.create(
+                        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                        extra_body={"chat_template_kwargs": {name: "x"}})
+                error = e.value.body
+                assert error["param"] == "chat_template_kwargs" and f"['{name}']" in error["message"]
+            assert servicer.requests == []
+            out = await c.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+            assert out.choices[0].message.content == "t0 t1 "
     serve(check)
