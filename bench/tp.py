@@ -6,9 +6,10 @@ step at tensor_parallel_size 1 and 2, on the bench model.
 Per TP size: rank 0's parameter bytes (every rank holds the same share), each rank
 process's resident memory (VmRSS) once loaded, and the median decode step at batch 1
 and batch 8 (greedy, 16-token prompts; one engine per round, the sizes alternating
-1, 2, 1, 2, ... so a drifting machine treats both alike). The KV push between TP sizes
-(p = d, p = 2d) is not measured: the per-rank push is not built yet (README "Tensor
-parallelism"). Writes the JSON and prints a summary.
+1, 2, 1, 2, ... so a drifting machine treats both alike). Then the KV push between TP
+sizes (p = d = 1, p = d = 2, p = 2d with head-slice writes, and the staged alternative),
+measured by `bench/transfer.py --tp` (run here as a child; its JSON embedded under
+"kv_push"). Writes the JSON and prints a summary.
 """
 from __future__ import annotations
 
@@ -65,10 +66,22 @@ def measure(model: Path, tp: int, steps: int, seed: int) -> dict:
         engine.close()
 
 
+def kv_push(repeats: int) -> dict:
+    """bench/transfer.py --tp's figures (mooncake tcp, a 4,096-token prompt's KV)."""
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "transfer_tp.json"
+        subprocess.run([sys.executable, str(ROOT / "bench" / "transfer.py"), "--tp", "--repeats", str(repeats),
+                        "--out", str(out)], check=True)
+        return json.loads(out.read_text())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=24, help="decode steps per batch size")
+    ap.add_argument("--push-repeats", type=int, default=9, help="rounds of the KV push cases")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "tp.json"))
     args = ap.parse_args()
     model = ensure_bench_model()
@@ -88,11 +101,15 @@ def main() -> int:
     ratios = {k: medians[2][k] / medians[1][k] for k in ("param_mib_per_rank", "step_b1_ms", "step_b8_ms")}
     report = {"command": " ".join(["python", "bench/tp.py", *sys.argv[1:]]), "machine": machine_info(),
               "model": model.name, "model_sizes": BENCH_MODEL, "rounds": rounds, "medians": medians, "ratios_tp2_over_tp1": ratios,
-              "kv_push": "not measured: the per-rank KV push between TP sizes is not built yet"}
+              "kv_push": kv_push(args.push_repeats)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"TP 2 / TP 1: params per rank {ratios['param_mib_per_rank']:.2f}x, decode step b1 "
-          f"{ratios['step_b1_ms']:.2f}x, b8 {ratios['step_b8_ms']:.2f}x; wrote {args.out}")
+          f"{ratios['step_b1_ms']:.2f}x, b8 {ratios['step_b8_ms']:.2f}x")
+    push = report["kv_push"]["results"]
+    print("KV push, x the p=d=1 push's GB/s: " + ", ".join(
+        f"{case} {r['ratio_to_p1d1']:.3f}x ({r['writes_per_block_per_rank'][0]:g} writes/block)" for case, r in push.items())
+          + f"; wrote {args.out}")
     return 0
 
 

@@ -83,7 +83,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, rank_transfer: Callable[[], object] | None = None):
+        """rank_transfer: at tensor_parallel_size > 1, what makes each worker rank's own
+        transfer engine (a picklable factory; common/parallel/rank_writes.py), for nodes
+        that push or receive KV; None: the workers do no KV transfer."""
         from common.parallel.shard import plan_shard
         self.config = config
         tp_size = config.tensor_parallel_size
@@ -119,7 +122,8 @@ class LLMEngine:
         # rank 0 here, the workers spawned first so that they load their shards meanwhile
         self.tp = None if tp_size == 1 else TPExecutor(
             config, dtype=next(k for k, v in DTYPE_BY_NAME.items() if v == self.dtype),
-            num_blocks=self.num_blocks, block_size=self.block_size, max_model_len=self.max_model_len)
+            num_blocks=self.num_blocks, block_size=self.block_size, max_model_len=self.max_model_len,
+            transfer_factory=rank_transfer)
         try:
             self._build(config, mcfg, start)
         except BaseException:

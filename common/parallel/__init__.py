@@ -5,17 +5,19 @@
     step_inputs.py  one step's inputs as ints and their broadcast form
     executor.py     rank 0's side: spawns the workers, sends each step, detects failure
     worker.py       ranks 1..N-1: load a shard, step in lockstep with rank 0
+    rank_writes.py  KV writes a worker makes from its own cache, on rank 0's order
 
 Modules here import torch lazily where they can, so config code may import shard.py.
 """
 from __future__ import annotations
 
-ROLES_WITH_TP = ("both",)
+IN_PROCESS_TRANSFERS = ("fake",)
 
 
-def check_role(role: str, tensor_parallel_size: int) -> None:
-    """ValueError unless a node of `role` can run at this size: a node that pushes or
-    receives KV (prefill, decode) runs at tensor_parallel_size 1 for now."""
-    if tensor_parallel_size > 1 and role not in ROLES_WITH_TP:
-        raise ValueError(f"tensor_parallel_size > 1 is served only by role {ROLES_WITH_TP} for now "
-                         f"(KV transfer between sharded nodes is not built); node role is {role!r}")
+def check_role(role: str, tensor_parallel_size: int, transfer_backend: str = "mooncake") -> None:
+    """ValueError unless a node of `role` can run at this size: a prefill or decode node at
+    TP > 1 moves each rank's KV from or into that rank's own process, which a transfer
+    backend that copies only inside one process cannot do."""
+    if tensor_parallel_size > 1 and role in ("prefill", "decode") and transfer_backend in IN_PROCESS_TRANSFERS:
+        raise ValueError(f"tensor_parallel_size > 1 on a {role} node needs a transfer backend between "
+                         f"processes (mooncake or grpc), not {transfer_backend!r}")

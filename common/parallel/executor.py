@@ -17,6 +17,11 @@ collectives. Measured on the 2-core dev CPU (gloo on loopback; the tiny Llama, 4
 all-reduces of ~0.9 ms each; a TP 2 step took 21-26 ms against 5-6 ms at TP 1 (two
 ranks on two cores: TP pays off only where a rank has its own device or cores).
 
+KV transfer (nodes that push or receive KV): each worker makes its own transfer engine
+(the factory given), registers its KV cache there and publishes it (kv_ranks, for the
+node's NodeInfo); a prefill node's writes of worker ranks' heads go to them as orders over
+a pipe each (rank_writes.py, `writers`).
+
 Failure: rank 0 checks the workers' sentinels before each step (one select call) and
 waits at most COLLECTIVE_TIMEOUT_S in any gloo collective; a dead peer makes gloo raise
 at once. (On nccl / hccl the model's collectives do not block the CPU: a dead peer is
@@ -42,11 +47,13 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Iterator
 
 from common.config import EngineConfig
 from common.engine import cpu_budget
 from common.parallel.group import TPGroup, make_store
+from common.parallel.rank_writes import RankWriters
 from common.parallel.step_inputs import INLINE_LEN, HEADER_LEN, StepInputs, pack, stop_message
 from common.parallel.worker import WorkerSpec, main as worker_main
 
@@ -101,7 +108,9 @@ class TPExecutor:
     thread only once steps have ended)."""
 
     def __init__(self, config: EngineConfig, *, dtype: str, num_blocks: int, block_size: int,
-                 max_model_len: int):
+                 max_model_len: int, transfer_factory: Callable[[], object] | None = None):
+        """transfer_factory: each worker makes its own transfer engine with it and takes KV
+        write orders (writers, kv_ranks); None: the workers do no KV transfer."""
         self.size = config.tensor_parallel_size
         self.device = rank_device(config.device, 0)
         self.group_name = f"tp{os.getpid()}-{next(_groups)}"
@@ -113,16 +122,27 @@ class TPExecutor:
         from_main = threading.current_thread() is threading.main_thread()
         self.procs: list = []
         self._finalizer = weakref.finalize(self, _reap, self.procs)   # the same list, filled below
+        self.transfer_factory = transfer_factory
+        self.writers: RankWriters | None = None
+        self.kv_ranks: list[bytes] = []      # serialized KVRank of ranks 1.. (with transfer)
+        conns = []
         for rank in range(1, self.size):
             cores, threads = rank_cpu_budget(config.cpu_cores, config.num_threads, self.size, rank)
             spec = WorkerSpec(config=config, rank=rank, store_port=self.store.port,
                               group_name=self.group_name, device=rank_device(config.device, rank),
                               dtype=dtype, num_blocks=num_blocks, block_size=block_size,
                               max_model_len=max_model_len, cpu_cores=cores, num_threads=threads,
-                              parent_pid=os.getpid(), death_signal=from_main)
-            proc = ctx.Process(target=worker_main, args=(spec,), name=f"pdmesh-tp-rank{rank}", daemon=True)
+                              parent_pid=os.getpid(), death_signal=from_main,
+                              transfer_factory=transfer_factory)
+            ours, theirs = ctx.Pipe() if transfer_factory is not None else (None, None)
+            proc = ctx.Process(target=worker_main, args=(spec, theirs), name=f"pdmesh-tp-rank{rank}", daemon=True)
             proc.start()
+            if theirs is not None:
+                theirs.close()
+                conns.append(ours)
             self.procs.append(proc)
+        if conns:
+            self.writers = RankWriters(conns)
 
     @property
     def pids(self) -> list[int]:
@@ -141,6 +161,8 @@ class TPExecutor:
                                            f"tensor-parallel workers not ready after {STARTUP_TIMEOUT_S:.0f}s")
                 self.close()
                 raise self._error
+        if self.transfer_factory is not None:
+            self.kv_ranks = [self.store.get(f"{self.group_name}/kv/{r}") for r in range(1, self.size)]
         try:
             self.group = TPGroup(self.store, 0, self.size, self.device, COLLECTIVE_TIMEOUT_S,
                                  name=self.group_name)
@@ -206,6 +228,8 @@ class TPExecutor:
             self._error = RuntimeError(message)
             log.error("%s; stopping the other ranks", message)
             self._finalizer()
+            if self.writers is not None:
+                self.writers.close()
         return self._error
 
     def close(self, graceful: bool = True) -> None:
@@ -224,5 +248,7 @@ class TPExecutor:
             for p in self.procs:
                 p.join(max(0.0, deadline - time.monotonic()))
         self._finalizer()
+        if self.writers is not None:
+            self.writers.close()
         if self._error is None:
             self._error = RuntimeError("the tensor-parallel engine is closed")

@@ -6,6 +6,9 @@ Lifecycle (`main`):
                       spawning thread, not the process)
     loading           its budget of cores/threads, its shard of the weights (sliced
                       reads), its KV cache: its KV heads, rank 0's block count and ids
+    transfer          with a transfer factory (nodes that push or receive KV): its own
+                      transfer engine, its KV cache registered there, published as store
+                      key kv/<r> (a KVRank: endpoint + layout); rank 0 lists it in NodeInfo
     ready             store key ready/<r>; on a load error, error/<r> holds the reason
     grouped           joins the TP group (no timeout: it waits for rank 0 while idle)
     stepping          receives each step's StepInputs (one broadcast, two when big), runs
@@ -14,7 +17,8 @@ Lifecycle (`main`):
     exited            0 after the stop message; 1 on an error (error/<r>), or at once
                       when rank 0's process is gone
 
-Nothing is sent back but the collectives: rank 0 alone samples.
+Nothing is sent back but the collectives (rank 0 alone samples) and the answers to rank
+0's KV write orders, which a thread of the worker runs beside the steps (rank_writes.py).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.config import EngineConfig
@@ -53,6 +58,9 @@ class WorkerSpec:
     num_threads: int
     parent_pid: int
     death_signal: bool          # PR_SET_PDEATHSIG (parent spawned from its main thread)
+    # makes this rank's transfer engine (picklable, e.g. a functools.partial of a module
+    # function); None: the rank neither pushes nor receives KV
+    transfer_factory: Callable[[], object] | None = None
 
 
 def _watch_parent(spec: WorkerSpec) -> None:
@@ -75,7 +83,8 @@ def _watch_parent(spec: WorkerSpec) -> None:
     threading.Thread(target=wait, name="tp-parent-watch", daemon=True).start()
 
 
-def main(spec: WorkerSpec) -> None:
+def main(spec: WorkerSpec, writes_conn=None) -> None:
+    """writes_conn: this end of rank 0's pipe for KV write orders (rank_writes.py)."""
     # rank 0 ends this process (the stop message, or SIGTERM/SIGKILL from close()); a
     # signal to the whole process group (Ctrl-C, `pdmesh up` stopping the node) must not
     # kill it in the middle of a step that rank 0 is still finishing
@@ -93,6 +102,8 @@ def main(spec: WorkerSpec) -> None:
     key = f"{spec.group_name}/"
     try:
         runner = _load(spec)
+        if spec.transfer_factory is not None:
+            store.set(key + f"kv/{spec.rank}", _start_transfer(spec, runner.kv_cache, writes_conn))
     except BaseException:
         store.set(key + f"error/{spec.rank}", traceback.format_exc(limit=5))
         sys.exit(1)
@@ -128,6 +139,24 @@ def _load(spec: WorkerSpec):
     model, kv_cache = load_rank(mcfg, get_backend(cfg.kernel_backend, device), DTYPE_BY_NAME[spec.dtype], device,
                                 cfg.model, shard, spec.max_model_len, spec.num_blocks, spec.block_size)
     return ModelRunner(model, kv_cache, spec.block_size)
+
+
+def _start_transfer(spec: WorkerSpec, kv_cache, writes_conn) -> bytes:
+    """This rank's transfer engine with its KV cache registered, the thread that runs rank
+    0's write orders; returns the serialized KVRank to publish. The engine lives as long as
+    the process (its memory is the cache)."""
+    from common.parallel.rank_writes import serve_writes
+    from common.transfer.kv_writes import KVSender
+    from common.transfer.layout import KVLayout
+    from protos.pdmesh.v1 import common_pb2
+
+    transfer = spec.transfer_factory()
+    transfer.register(kv_cache.data_ptr(), kv_cache.numel() * kv_cache.element_size())
+    layout = KVLayout.of_tensor(kv_cache)
+    if writes_conn is not None:
+        threading.Thread(target=serve_writes, args=(writes_conn, KVSender(transfer, layout)),
+                         name="rank-writes", daemon=True).start()
+    return common_pb2.KVRank(transfer_endpoint=transfer.endpoint, layout=layout.to_proto()).SerializeToString()
 
 
 def _serve(group, runner) -> None:

@@ -84,6 +84,43 @@ def plan_block_writes(src: KVLayout, dst: KVLayout, src_block_ids: Sequence[int]
             for layer in layers for kv in (0, 1) for i, (s, d, n) in enumerate(runs)]
 
 
+def plan_head_slice_writes(src: KVLayout, dst: KVLayout, head_offset: int, src_block_ids: Sequence[int],
+                           dst_block_ids: Sequence[int], layers: Sequence[int] | None = None,
+                           last_block_tokens: int | None = None) -> list[tuple[int, int, int]]:
+    """Writes copying src blocks, which hold src.num_kv_heads heads, into heads
+    [head_offset, head_offset + src.num_kv_heads) of dst blocks holding more heads: a
+    tensor-parallel prefill rank writing its share of a decode rank's heads
+    (common/transfer/tp_pairing.py). In the [block_size, heads, head_dim] block layout the
+    slice of one token slot is contiguous on both sides but the slots are strided on the
+    destination, so each (layer, K/V, block) is one write per token slot: block_size
+    writes (last_block_tokens for a partial last block), each of src.num_kv_heads *
+    head_dim items. With as many heads on both sides (head_offset 0) this is
+    plan_block_writes. Pure; ValueError as plan_block_writes, or when the slice does not
+    fit the destination's heads."""
+    if src.num_kv_heads == dst.num_kv_heads and head_offset == 0:
+        return plan_block_writes(src, dst, src_block_ids, dst_block_ids, layers, last_block_tokens)
+    src.check_compatible(dst, same_heads=False)
+    if len(src_block_ids) != len(dst_block_ids):
+        raise ValueError(f"{len(src_block_ids)} source block ids but {len(dst_block_ids)} destination ids")
+    if not 0 <= head_offset <= dst.num_kv_heads - src.num_kv_heads:
+        raise ValueError(f"heads [{head_offset}, {head_offset + src.num_kv_heads}) do not fit the "
+                         f"destination's {dst.num_kv_heads} KV heads")
+    # the id, range and last-block checks of a same-heads plan over the source layout
+    plan_block_writes(src, src, src_block_ids, src_block_ids, layers, last_block_tokens)
+    _check_ids("dst_block_ids", dst_block_ids, dst.num_blocks)
+    if len(set(dst_block_ids)) != len(dst_block_ids):
+        raise ValueError(f"dst_block_ids has duplicates: {list(dst_block_ids)}")
+    layers = range(src.num_layers) if layers is None else layers
+    slot_src, slot_dst = src.block_bytes // src.block_size, dst.block_bytes // dst.block_size
+    length = slot_src
+    offset = head_offset * src.head_dim * src.itemsize
+    last = len(src_block_ids) - 1
+    return [(src.block_address(layer, kv, s) + t * slot_src, dst.block_address(layer, kv, d) + t * slot_dst + offset,
+             length)
+            for layer in layers for kv in (0, 1) for i, (s, d) in enumerate(zip(src_block_ids, dst_block_ids))
+            for t in range(last_block_tokens if i == last and last_block_tokens is not None else src.block_size)]
+
+
 def plan_block_reads(src: KVLayout, dst: KVLayout, src_block_ids: Sequence[int],
                      dst_block_ids: Sequence[int], layers: Sequence[int] | None = None,
                      ) -> list[tuple[int, int, int]]:
@@ -105,12 +142,19 @@ class KVSender:
 
     def send_blocks(self, peer_endpoint: str, dst_layout: KVLayout, src_block_ids: Sequence[int],
                     dst_block_ids: Sequence[int], layers: Sequence[int] | None = None,
-                    last_block_tokens: int | None = None, timeout_s: float | None = None) -> int:
+                    last_block_tokens: int | None = None, timeout_s: float | None = None,
+                    head_offset: int | None = None) -> int:
         """Copy src blocks (local) into dst blocks (peer); returns bytes written once the peer
-        acknowledged all of them. ValueError as plan_block_writes; TransferError from the
-        engine (then nothing is known about which bytes arrived), within timeout_s."""
-        batch = plan_block_writes(self.local, dst_layout, src_block_ids, dst_block_ids, layers,
-                                  last_block_tokens)
+        acknowledged all of them. head_offset: the local blocks are heads [head_offset, ..)
+        of the peer's (plan_head_slice_writes); None: the same heads on both sides.
+        ValueError as plan_block_writes; TransferError from the engine (then nothing is
+        known about which bytes arrived), within timeout_s."""
+        if head_offset is None:
+            batch = plan_block_writes(self.local, dst_layout, src_block_ids, dst_block_ids, layers,
+                                      last_block_tokens)
+        else:
+            batch = plan_head_slice_writes(self.local, dst_layout, head_offset, src_block_ids, dst_block_ids,
+                                           layers, last_block_tokens)
         if not batch:
             return 0
         return self.engine.write(peer_endpoint, batch, timeout_s)

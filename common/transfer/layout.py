@@ -77,10 +77,12 @@ class KVLayout:
         s = self.strides
         return self.base_address + layer * s[0] + kv * s[1] + block_id * s[2]
 
-    def check_compatible(self, other: KVLayout) -> None:
-        """ValueError naming every field that differs among those a block copy needs equal."""
+    def check_compatible(self, other: KVLayout, same_heads: bool = True) -> None:
+        """ValueError naming every field that differs among those a block copy needs equal
+        (same_heads=False: all but num_kv_heads, for a copy of a head slice)."""
         diffs = [f"{name} {getattr(self, name)!r} != {getattr(other, name)!r}"
-                 for name in MUST_MATCH if getattr(self, name) != getattr(other, name)]
+                 for name in MUST_MATCH if (same_heads or name != "num_kv_heads")
+                 and getattr(self, name) != getattr(other, name)]
         if diffs:
             raise ValueError("incompatible KV layouts (local vs peer): " + ", ".join(diffs))
 

@@ -11,9 +11,8 @@ node at TP p pushes into a decode node at TP d when
 Anything else (p < d: a prefill rank would have to split its heads over decode ranks;
 replicated prefill heads at p > d; head counts that do not line up) is refused when the
 route is chosen (services/meta_server/router.py), with the reason below, never
-attempted. (Prefill and decode nodes run at TP 1 for now, common/parallel/check_role:
-the per-rank push itself, and its check on the prefill node, are not built yet; until
-then a mismatched push is refused by the layout check of the KV sender.)
+attempted; the prefill node checks the pair again before it writes
+(services/prefill/kv_destination.py).
 """
 from __future__ import annotations
 

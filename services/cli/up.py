@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
         mesh_cfg = load_mesh_config(args.config)
         from common.parallel import check_role
         for node in mesh_cfg.nodes:   # engine fields valid (cpu_cores among them) before anything starts
-            check_role(node.role, mesh_cfg.engine_config(node).tensor_parallel_size)
+            check_role(node.role, mesh_cfg.engine_config(node).tensor_parallel_size, mesh_cfg.transfer.backend)
         mesh_cfg.engine_config()
         ensure_model(mesh_cfg)
         _check_tensor_parallel(mesh_cfg)

@@ -2,11 +2,15 @@
 cache registered with the transfer engine, and membership (a NodeRegistration: stay
 registered and report the node's load every TTL/3, with the meta-server or in etcd).
 
+At tensor_parallel_size > 1 every rank has its own transfer engine and registration (the
+workers make theirs with node_transfer); NodeInfo.kv_ranks lists them, rank 0 first.
+
 Lifecycle: EngineNode(...) loads the model and registers the KV cache -> start(address)
 begins membership -> close() leaves the mesh, stops the engine and the transfer engine.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +20,7 @@ from common.config import MeshConfig, NodeConfig
 from common.engine.async_engine import AsyncEngine
 from common.engine.llm_engine import LLMEngine
 from common.parallel import check_role
+from common.transfer.base import TransferEngine
 from common.transfer.kv_writes import KVSender
 from common.transfer.layout import KVLayout
 from common.transfer.factory import create_transfer
@@ -60,15 +65,24 @@ def grpc_transfer_security(credentials=None) -> dict:
                 channel_factory=lambda peer, options: mesh_channel(peer, creds, options=options, sync=True))
 
 
+def node_transfer(mesh: MeshConfig, advertised_host: str) -> TransferEngine:
+    """A new transfer engine of the mesh's backend for a service advertised at
+    advertised_host (a module function, so that tensor-parallel workers can be handed it)."""
+    return create_transfer(mesh.transfer.backend, **transfer_options(mesh, advertised_host))
+
+
 class EngineNode:
     def __init__(self, mesh: MeshConfig, node: NodeConfig):
         self.mesh, self.node = mesh, node
         engine_config = mesh.engine_config(node)
-        check_role(node.role, engine_config.tensor_parallel_size)
-        self.llm_engine = LLMEngine(engine_config)
+        tp_size = engine_config.tensor_parallel_size
+        check_role(node.role, tp_size, mesh.transfer.backend)
+        # at TP > 1 each worker rank has its own transfer engine and KV registration
+        self.llm_engine = LLMEngine(engine_config, rank_transfer=(
+            functools.partial(node_transfer, mesh, node.advertised_host) if tp_size > 1 else None))
         self.engine = AsyncEngine(self.llm_engine)
         try:
-            self.transfer = create_transfer(mesh.transfer.backend, **transfer_options(mesh, node.advertised_host))
+            self.transfer = node_transfer(mesh, node.advertised_host)
             kv = self.llm_engine.kv_cache
             self.transfer.register(kv.data_ptr(), kv.numel() * kv.element_size())
         except BaseException:   # no step thread or rank left behind by a node that did not start
@@ -76,9 +90,18 @@ class EngineNode:
             raise
         self.layout = KVLayout.of_tensor(kv)
         self.sender = KVSender(self.transfer, self.layout)
+        tp = self.llm_engine.tp
+        self.kv_ranks = [common_pb2.KVRank(transfer_endpoint=self.transfer.endpoint, layout=self.layout.to_proto())]
+        self.kv_ranks += [common_pb2.KVRank.FromString(raw) for raw in (tp.kv_ranks if tp is not None else ())]
+        self.rank_writers = tp.writers if tp is not None else None
+        self.rank_layouts = [KVLayout.from_proto(r.layout) for r in self.kv_ranks]
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{node.node_id}-kv")
         self.kv_store: KVStoreClient | None = None
-        if mesh.kv_store is not None and node.role == "prefill":
+        if mesh.kv_store is not None and node.role == "prefill" and tp_size > 1:
+            log.warning("%s: tensor_parallel_size %d: this node neither reads from nor writes to the kv-store "
+                        "(its blocks are sharded over its ranks; the store holds whole TP-1 blocks)",
+                        node.node_id, tp_size)
+        elif mesh.kv_store is not None and node.role == "prefill":
             self.kv_store = KVStoreClient(mesh.kv_store.address, self.llm_engine.model_id, self.layout,
                                           self.sender, self.executor, mesh.timeouts)
         self.address = ""
@@ -96,7 +119,8 @@ class EngineNode:
             transfer_endpoint=self.transfer.endpoint, kv_layout=self.layout.to_proto(),
             load=self.load(stats), max_model_len=self.engine.max_model_len,
             transfer_listen_addresses=list(self.transfer.listen_addresses),
-            tensor_parallel_size=self.llm_engine.config.tensor_parallel_size)
+            tensor_parallel_size=self.llm_engine.config.tensor_parallel_size,
+            kv_ranks=self.kv_ranks if len(self.kv_ranks) > 1 else ())
 
     def load(self, stats: dict[str, int]) -> common_pb2.NodeLoad:
         return common_pb2.NodeLoad(running=stats["running"] + stats["kv_remote"],

@@ -47,6 +47,9 @@ class Destination:
     layout: KVLayout
     block_ids: tuple[int, ...]
     num_cached_tokens: int
+    # (endpoint, layout) of each of the member's tensor-parallel ranks, rank 0 first (at
+    # TP 1: transfer_endpoint and layout); the writes of rank pairs go there
+    ranks: tuple[tuple[str, KVLayout], ...] = ()
 
 
 def check_block_ids(dest: engine_pb2.KVDestination) -> None:
@@ -81,6 +84,24 @@ def mismatch(dest: engine_pb2.KVDestination, member: common_pb2.NodeInfo) -> lis
     return diffs
 
 
+def member_ranks(member: common_pb2.NodeInfo, layout: KVLayout) -> tuple[tuple[str, KVLayout], ...]:
+    """The (endpoint, layout) of each of a registered member's ranks; DestinationRefused
+    (FAILED_PRECONDITION) when it runs at TP > 1 without publishing them (the meta-server
+    admits only none or one per rank, node_info_check.py)."""
+    size = max(member.tensor_parallel_size, 1)
+    if size == 1:
+        return ((member.transfer_endpoint, layout),)
+    if len(member.kv_ranks) != size:
+        raise DestinationRefused(grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"decode node {_short(member.node_id)!r} runs at tensor_parallel_size {size} "
+                                 "but published no KV cache per rank: it cannot receive KV")
+    try:
+        return tuple((r.transfer_endpoint, KVLayout.from_proto(r.layout)) for r in member.kv_ranks)
+    except (ValueError, TypeError) as e:
+        raise DestinationRefused(grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"decode node {_short(member.node_id)!r} published a bad rank layout: {e}") from None
+
+
 class DestinationCheck:
     def __init__(self, members: MembersView):
         self.members = members
@@ -97,8 +118,9 @@ class DestinationCheck:
             raise DestinationRefused(grpc.StatusCode.UNAVAILABLE, f"cannot check the destination: {e}") from None
         if member is None:
             raise DestinationRefused(grpc.StatusCode.PERMISSION_DENIED, self._why(dest))
-        return Destination(dest.node_id, member.transfer_endpoint, KVLayout.from_proto(member.kv_layout),
-                           tuple(dest.block_ids), dest.num_cached_tokens)
+        layout = KVLayout.from_proto(member.kv_layout)
+        return Destination(dest.node_id, member.transfer_endpoint, layout, tuple(dest.block_ids),
+                           dest.num_cached_tokens, member_ranks(member, layout))
 
     def _why(self, dest: engine_pb2.KVDestination) -> str:
         same_id = [m for m in self.members.last() if m.node_id == dest.node_id and m.role in DESTINATION_ROLES]

@@ -41,8 +41,6 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
 from common.transfer.base import TransferError
-from common.transfer.kv_writes import KVSender
-from common.transfer.layout import KVLayout
 
 
 
@@ -61,12 +59,14 @@ class LayerHooks:
 
 
 class KVPusher:
-    def __init__(self, sender: KVSender, executor: Executor, peer: str, dst_layout: KVLayout,
+    def __init__(self, destination, executor: Executor,
                  dst_block_ids: list[int], dst_num_cached_tokens: int, block_size: int,
                  num_prompt_tokens: int, deadline: float, transfer_timeout_s: float,
                  layerwise: bool = True):
-        self.sender, self.executor, self.peer = sender, executor, peer
-        self.dst_layout, self.dst_block_ids = dst_layout, dst_block_ids
+        """destination: what makes each batched write (kv_destination.py: one rank, or
+        every rank of a tensor-parallel node)."""
+        self.destination, self.executor = destination, executor
+        self.dst_block_ids = dst_block_ids
         self.block_size = block_size
         self.num_prompt_tokens = num_prompt_tokens
         self.deadline, self.transfer_timeout_s = deadline, transfer_timeout_s
@@ -140,9 +140,7 @@ class KVPusher:
         remaining = self.deadline - time.monotonic()
         if self._stopped or remaining <= 0:
             raise TransferError("the KV push was stopped, or its deadline passed, before this write started")
-        return self.sender.send_blocks(self.peer, self.dst_layout, src, dst, layers=layers,
-                                       last_block_tokens=last_tokens,
-                                       timeout_s=min(self.transfer_timeout_s, remaining))
+        return self.destination.write(src, dst, layers, last_tokens, min(self.transfer_timeout_s, remaining))
 
     # ---- event loop -----------------------------------------------------------------
     @property

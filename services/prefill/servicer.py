@@ -4,6 +4,8 @@ Lifecycle of a Prefill RPC on this node (the request's states: common/engine/lif
   validate (prompt, sampling, destination layout and block count)
   -> the destination is what a live decode node registered (services/prefill/
      destination_check.py), else PERMISSION_DENIED / INVALID_ARGUMENT (nothing written)
+  -> this node's ranks can write into its ranks (tensor-parallel sizes and heads:
+     services/prefill/kv_destination.py), else FAILED_PRECONDITION (nothing written)
   -> max_queue requests waiting already? RESOURCE_EXHAUSTED at once (nothing written)
   -> admitted: blocks allocated, own prefix-cache hits first, then (with a kv-store) the
      store's further hits read into them (services/prefill/store_prefix.py)
@@ -42,6 +44,7 @@ from services.decode.remote_prefill import SETTLED_KEY
 from services.node.members_view import MembersView
 from services.prefill.destination_check import DestinationCheck, DestinationRefused
 from services.security.server_auth import peer_service_name
+from services.prefill.kv_destination import destination_writes
 from services.prefill.kv_push import KVPusher
 from services.prefill.store_prefix import StorePrefix
 
@@ -73,7 +76,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         engine.validate(request.request_id, prompt, params)
         validate_resume_position(request.resume_position, len(prompt))
         dst_layout = KVLayout.from_proto(dest.layout)
-        self.node.layout.check_compatible(dst_layout)
+        self.node.layout.check_compatible(dst_layout, same_heads=False)   # heads: by rank pairing
         need = engine.num_blocks_for(len(prompt))
         if len(dest.block_ids) != need:
             raise ValueError(f"destination.block_ids has {len(dest.block_ids)} ids; the "
@@ -99,6 +102,13 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         except DestinationRefused as e:
             log.warning("refused the destination of %s: %s", rid, e)
             await context.abort(e.code, str(e), trailing_metadata=SETTLED)
+        try:
+            writes = destination_writes(self.node.sender, self.node.rank_writers, self.node.rank_layouts,
+                                        checked.ranks)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"prefill node {self.node.node.node_id} cannot push into {dest.node_id}: {e}",
+                                trailing_metadata=SETTLED)
         if self.closing:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill node {self.node.node.node_id} is shutting down",
                                 trailing_metadata=SETTLED)
@@ -112,8 +122,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         timeouts = self.node.mesh.timeouts
         remaining = context.time_remaining()
         deadline = time.monotonic() + (timeouts.prefill_s if remaining is None else remaining)
-        pusher = KVPusher(self.node.sender, self.node.executor, checked.transfer_endpoint, checked.layout,
-                          list(checked.block_ids), checked.num_cached_tokens, engine.block_size, len(prompt),
+        pusher = KVPusher(writes, self.node.executor, list(checked.block_ids), checked.num_cached_tokens, engine.block_size, len(prompt),
                           deadline, timeouts.transfer_s,
                           layerwise=self.node.mesh.transfer.kv_push == "layerwise")
         store = None

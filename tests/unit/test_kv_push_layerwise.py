@@ -19,6 +19,7 @@ import torch
 from common.config import EngineConfig, TransferConfig
 from common.engine import SamplingParams
 from common.engine.llm_engine import LLMEngine
+from services.prefill.kv_destination import OneRankWrites
 from services.prefill.kv_push import KVPusher
 from tests import prefill_pair
 from tests.conftest import assert_no_blocks_in_use
@@ -268,7 +269,7 @@ class RecordingSender:
 
 
 def pusher_for(sender, executor, layerwise=True) -> KVPusher:
-    return KVPusher(sender, executor, "peer", None, [10, 11, 12, 13], 0, 16, 60,
+    return KVPusher(OneRankWrites(sender, "peer", None), executor, [10, 11, 12, 13], 0, 16, 60,
                     time.monotonic() + 10, 1.0, layerwise=layerwise)
 
 

@@ -274,8 +274,11 @@ def test_size_that_does_not_divide_the_model_is_refused_before_any_rank_starts(t
     assert not child_pids() - before
 
 
-def test_roles_that_move_kv_refuse_tensor_parallelism():
-    check_role("both", 2)
-    check_role("prefill", 1)
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is served only by role"):
-        check_role("decode", 2)
+def test_nodes_that_move_kv_at_tensor_parallelism_need_a_transfer_between_processes():
+    check_role("both", 2, "fake")
+    check_role("prefill", 1, "fake")
+    check_role("prefill", 2, "mooncake")
+    check_role("decode", 4, "grpc")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size > 1 on a decode node needs a transfer backend "
+                                         r"between processes \(mooncake or grpc\), not 'fake'"):
+        check_role("decode", 2, "fake")

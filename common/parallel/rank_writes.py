@@ -1,0 +1,167 @@
+"""KV writes that a tensor-parallel worker makes from its own KV cache, on rank 0's order.
+
+A rank's KV heads live only in its own process, registered with its own transfer engine
+(worker.py), so a prefill node at TP > 1 pushes each rank's share from that rank. What to
+write and when stays with rank 0 (services/prefill/kv_push.py decides blocks, layers,
+deadlines and stops for every rank alike); a worker only executes:
+
+    rank 0 (an executor thread of the node)         worker r (its `rank-writes` thread)
+    RankWriters.write(r, order) -> Future   --pipe-->  serve_writes: order on a pool thread
+                                                       KVSender.send_blocks(own cache, ...)
+    Future resolves (bytes, or TransferError) <--pipe--  (order id, bytes | error, unsettled)
+
+Ordering: rank 0 orders a layer's write only after its forward pass finished that layer,
+which ends in an all-reduce every rank joined after writing the layer's KV (the row-
+parallel output projection), so the worker's bytes are in place when its order arrives.
+
+Timeouts: a worker's write ends within twice its timeout_s (TimeoutConfig.transfer_s: a
+transfer call gives up at timeout_s and lets what is in flight end within as long again);
+rank 0 waits that long for the answer, then fails the write as unsettled (it may still
+land). A worker that exits fails every write it had not answered, unsettled too: bytes
+it sent may still sit in the receiver's socket and be applied.
+
+Thread-safety: RankWriters.write from any thread; one receiver thread per worker.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from common.transfer.base import TransferError
+from common.transfer.layout import KVLayout
+
+log = logging.getLogger("pdmesh.engine")
+
+WRITE_THREADS = 4      # as the node's own KV executor: writes of several requests at once
+
+
+@dataclass(frozen=True)
+class WriteOrder:
+    """One batched write of the worker's blocks into a peer rank (KVSender.send_blocks)."""
+
+    peer: str
+    dst_layout: KVLayout
+    src_block_ids: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+    layers: tuple[int, ...] | None
+    last_block_tokens: int | None
+    timeout_s: float
+    head_offset: int | None = None
+
+
+def serve_writes(conn, sender) -> None:
+    """Worker: run each WriteOrder received on `conn` with `sender` (this rank's KVSender),
+    answering (order id, bytes, None) or (order id, 0, (message, unsettled)); returns when
+    rank 0 says stop (None) or its end is gone, once the writes in flight ended."""
+    send_lock = threading.Lock()
+    pool = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="rank-write")
+
+    def run(order_id: int, order: WriteOrder) -> None:
+        try:
+            nbytes = sender.send_blocks(order.peer, order.dst_layout, order.src_block_ids, order.dst_block_ids,
+                                        layers=order.layers, last_block_tokens=order.last_block_tokens,
+                                        timeout_s=order.timeout_s, head_offset=order.head_offset)
+            answer = (order_id, nbytes, None)
+        except TransferError as e:
+            answer = (order_id, 0, (str(e), e.unsettled))
+        except Exception as e:   # a plan error: nothing was written
+            answer = (order_id, 0, (f"{type(e).__name__}: {e}", False))
+        with send_lock:
+            conn.send(answer)
+
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                return
+            if message is None:
+                return
+            pool.submit(run, *message)
+    finally:
+        pool.shutdown(wait=True)
+        conn.close()
+
+
+class RankWriters:
+    """Rank 0's side: one pipe per worker (rank 1 first)."""
+
+    def __init__(self, conns: list):
+        self._conns = conns
+        self._send_locks = [threading.Lock() for _ in conns]
+        self._pending: list[dict[int, Future]] = [{} for _ in conns]
+        self._gone: list[str | None] = [None] * len(conns)
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        for i, conn in enumerate(conns):
+            threading.Thread(target=self._receive, args=(i,), name=f"rank{i + 1}-writes", daemon=True).start()
+
+    def write(self, rank: int, order: WriteOrder) -> Future:
+        """Worker `rank` (>= 1) runs `order`; the future gives the bytes written, or raises
+        TransferError. Its result() must be waited for with rank_wait_s(order)."""
+        i = rank - 1
+        future: Future = Future()
+        order_id = next(self._ids)
+        with self._lock:
+            if self._gone[i] is not None:
+                future.set_exception(TransferError(self._gone[i]))
+                return future
+            self._pending[i][order_id] = future
+        try:
+            with self._send_locks[i]:
+                self._conns[i].send((order_id, order))
+        except (OSError, ValueError) as e:
+            self._end(i, f"tensor-parallel rank {rank} cannot take KV writes: {e}")
+        return future
+
+    def wait(self, future: Future, order: WriteOrder) -> int:
+        """The bytes the order wrote; TransferError when it failed or did not answer within
+        twice its timeout (then unsettled: it may still land)."""
+        try:
+            return future.result(timeout=2 * order.timeout_s)
+        except TimeoutError:
+            raise TransferError("a tensor-parallel rank did not answer its KV write in time",
+                                unsettled=True) from None
+
+    def _receive(self, i: int) -> None:
+        """The worker's answers, until its end closes (then this thread closes ours: a
+        connection closed under a thread blocked reading it would not wake that thread)."""
+        conn = self._conns[i]
+        while True:
+            try:
+                order_id, nbytes, error = conn.recv()
+            except (EOFError, OSError):
+                self._end(i, f"tensor-parallel rank {i + 1} exited; its KV writes ended")
+                conn.close()
+                return
+            with self._lock:
+                future = self._pending[i].pop(order_id, None)
+            if future is None:
+                continue
+            if error is None:
+                future.set_result(nbytes)
+            else:
+                future.set_exception(TransferError(f"rank {i + 1}: {error[0]}", unsettled=error[1]))
+
+    def _end(self, i: int, why: str) -> None:
+        """Worker i + 1 takes no more writes; fail those it did not answer (unsettled)."""
+        with self._lock:
+            self._gone[i] = self._gone[i] or why
+            pending, self._pending[i] = self._pending[i], {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(TransferError(why, unsettled=True))
+
+    def close(self) -> None:
+        """No more writes; a live worker is told to stop taking them (its end then closes,
+        and so, on the receiver thread, ours)."""
+        for i, conn in enumerate(self._conns):
+            self._end(i, "the tensor-parallel engine is closed")
+            try:
+                with self._send_locks[i]:
+                    conn.send(None)
+            except (OSError, ValueError):   # the worker is gone already
+                pass
