@@ -177,15 +177,18 @@ class CoreShare:
 MIN_CORES_TO_SPARE_ONE = 2
 
 def plan_cores(available: tuple[int, ...], engine_nodes: list[str], control_services: list[str],
-               explicit: dict[str, tuple[int, ...]] | None = None, num_threads: int = 0) -> dict[str, CoreShare]:
+               explicit: dict[str, tuple[int, ...]] | None = None, num_threads: int = 0,
+               ranks: dict[str, int] | None = None) -> dict[str, CoreShare]:
     """How `pdmesh up` spreads the host's cores (available) over a mesh's processes:
 
     - an engine node in explicit keeps its cores (engine.cpu_cores);
     - the other engine nodes split the remaining cores into contiguous shares as even as
-      possible (earlier nodes get the extra core), one thread per core, after one core is
-      kept back for the control plane when each of those nodes still gets at least
-      MIN_CORES_TO_SPARE_ONE (so never on 2 cores: a colocated node there gets both);
-    - with more such nodes than cores, none is pinned and each runs one thread;
+      possible, a node at tensor_parallel_size N (ranks) counting as N engines, one
+      share per rank (earlier ranks get the extra core), one thread per core, after one
+      core is kept back for the control plane when each of those ranks still gets at
+      least MIN_CORES_TO_SPARE_ONE (so never on 2 cores: a colocated node there gets
+      both); a node's ranks split its share between them (common/parallel/executor.py);
+    - with more such ranks than cores, no node is pinned and each rank runs one thread;
     - the control services (meta-server, kv-store, gateway) are pinned to the cores no
       engine holds, or not pinned when every core is an engine's.
 
@@ -197,18 +200,21 @@ def plan_cores(available: tuple[int, ...], engine_nodes: list[str], control_serv
     planned = [n for n in engine_nodes if n not in explicit]
     plan = {n: CoreShare(explicit[n], True, num_threads or len(explicit[n]), by_config=True)
             for n in engine_nodes if n in explicit}
+    size_of = {n: max(1, (ranks or {}).get(n, 1)) for n in planned}
+    units = sum(size_of.values())
     if not planned:
         spare = free
-    elif len(planned) > len(free):
-        plan.update({n: CoreShare(tuple(available), False, num_threads or 1) for n in planned})
+    elif units > len(free):
+        plan.update({n: CoreShare(tuple(available), False, num_threads or size_of[n]) for n in planned})
         spare = []
     else:
-        reserve = 1 if len(free) - 1 >= MIN_CORES_TO_SPARE_ONE * len(planned) else 0
+        reserve = 1 if len(free) - 1 >= MIN_CORES_TO_SPARE_ONE * units else 0
         engine_cores, spare = free[:len(free) - reserve], free[len(free) - reserve:]
-        share, extra = divmod(len(engine_cores), len(planned))
-        start = 0
-        for i, name in enumerate(planned):
-            size = share + (1 if i < extra else 0)
+        share, extra = divmod(len(engine_cores), units)
+        start, unit = 0, 0
+        for name in planned:
+            size = sum(share + (1 if unit + r < extra else 0) for r in range(size_of[name]))
+            unit += size_of[name]
             cores = tuple(engine_cores[start:start + size])
             plan[name] = CoreShare(cores, True, num_threads or len(cores))
             start += size

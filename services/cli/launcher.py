@@ -8,7 +8,8 @@ metrics (its metrics_port), where: http://HOST:PORT/metrics. Standby meta-server
 meta_server's config, so each gets a free metrics port of its own (--metrics-port).
 
 Cores (common/engine/cpu_budget.plan_cores): the engine nodes split the cores this
-process may use, one OpenMP thread per core, unless engine.cpu_cores names theirs;
+process may use (a node at tensor_parallel_size N as N engines), one OpenMP thread per
+core, unless engine.cpu_cores names theirs;
 meta-server, kv-store and gateway run on the cores left over, or on all when none are.
 Each process starts pinned (and an engine with OMP_NUM_THREADS and the OpenMP wait policy
 in its environment, where the environment does not set them already); plan_cores=False
@@ -156,7 +157,8 @@ class MeshProcesses:
         own = {n.node_id: self.mesh.engine_config(n).cpu_cores for n in self.mesh.nodes}
         explicit = {n: cores for n, cores in own.items() if cores}
         if self.plan_cores and available:
-            plan = cpu_budget.plan_cores(available, nodes, control, explicit, engine.num_threads)
+            ranks = {n.node_id: self.mesh.engine_config(n).tensor_parallel_size for n in self.mesh.nodes}
+            plan = cpu_budget.plan_cores(available, nodes, control, explicit, engine.num_threads, ranks)
         else:
             plan = {name: cpu_budget.CoreShare(explicit[name], True, by_config=True) if name in explicit
                     else cpu_budget.CoreShare(available, False) for name in self.services}

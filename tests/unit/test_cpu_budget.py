@@ -201,6 +201,15 @@ def test_plan_explicit_cores_win_and_the_rest_goes_to_the_control_plane():
     assert _cores(plan) == {"p": ((3,), True, 1), "d": ((0, 1), True, 2), "gateway": ((2,), True, 0)}
 
 
+def test_plan_counts_a_tensor_parallel_node_as_one_engine_per_rank():
+    plan = plan_cores(tuple(range(6)), ["p", "d"], ["gateway"], ranks={"p": 2, "d": 1})
+    assert _cores(plan) == {"p": ((0, 1, 2, 3), True, 4), "d": ((4, 5), True, 2), "gateway": ((0, 1, 2, 3, 4, 5), False, 0)}
+    plan = plan_cores(tuple(range(7)), ["p", "d"], ["gateway"], ranks={"p": 2, "d": 1})
+    assert _cores(plan) == {"p": ((0, 1, 2, 3), True, 4), "d": ((4, 5), True, 2), "gateway": ((6,), True, 0)}
+    plan = plan_cores((0, 1, 2), ["p", "d"], ["gateway"], ranks={"p": 2, "d": 2})     # 4 ranks, 3 cores
+    assert _cores(plan) == {"p": ((0, 1, 2), False, 2), "d": ((0, 1, 2), False, 2), "gateway": ((0, 1, 2), False, 0)}
+
+
 def test_plan_num_threads_overrides_one_per_core():
     plan = plan_cores((0, 1, 2, 3), ["p", "d"], [], num_threads=1)
     assert _cores(plan) == {"p": ((0, 1), True, 1), "d": ((2, 3), True, 1)}
