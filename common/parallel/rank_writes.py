@@ -14,19 +14,25 @@ Ordering: rank 0 orders a layer's write only after its forward pass finished tha
 which ends in an all-reduce every rank joined after writing the layer's KV (the row-
 parallel output projection), so the worker's bytes are in place when its order arrives.
 
-Timeouts: a worker's write ends within twice its timeout_s (TimeoutConfig.transfer_s: a
-transfer call gives up at timeout_s and lets what is in flight end within as long again);
-rank 0 waits that long for the answer, then fails the write as unsettled (it may still
-land). A worker that exits fails every write it had not answered, unsettled too: bytes
-it sent may still sit in the receiver's socket and be applied.
+Timeouts: an order carries `not_after`, the latest time it may start (its submission plus
+its timeout_s, never past the request's deadline: the pusher caps timeout_s by what is
+left); a worker that takes it later answers a settled failure without writing (time.
+monotonic is one clock for every process of a host). Once started, its transfer call
+ends within twice timeout_s (TimeoutConfig.transfer_s: it gives up at timeout_s and lets
+what is in flight end within as long again). So rank 0 waits until not_after + 2 x
+timeout_s for the answer, then fails the write as unsettled (it may still land). A
+worker that exits fails every write it had not answered, unsettled too: bytes it sent
+may still sit in the receiver's socket and be applied.
 
 Thread-safety: RankWriters.write from any thread; one receiver thread per worker.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -49,7 +55,13 @@ class WriteOrder:
     layers: tuple[int, ...] | None
     last_block_tokens: int | None
     timeout_s: float
-    head_offset: int | None = None
+    head_offset: int | None
+    not_after: float                # time.monotonic() past which it must not start
+
+    @property
+    def answer_by(self) -> float:
+        """When rank 0 stops waiting for its answer (monotonic)."""
+        return self.not_after + 2 * self.timeout_s
 
 
 def serve_writes(conn, sender) -> None:
@@ -60,6 +72,11 @@ def serve_writes(conn, sender) -> None:
     pool = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="rank-write")
 
     def run(order_id: int, order: WriteOrder) -> None:
+        if time.monotonic() > order.not_after:
+            answer = (order_id, 0, ("the write's start deadline passed while it waited; nothing was written", False))
+            with send_lock:
+                conn.send(answer)
+            return
         try:
             nbytes = sender.send_blocks(order.peer, order.dst_layout, order.src_block_ids, order.dst_block_ids,
                                         layers=order.layers, last_block_tokens=order.last_block_tokens,
@@ -67,8 +84,10 @@ def serve_writes(conn, sender) -> None:
             answer = (order_id, nbytes, None)
         except TransferError as e:
             answer = (order_id, 0, (str(e), e.unsettled))
-        except Exception as e:   # a plan error: nothing was written
-            answer = (order_id, 0, (f"{type(e).__name__}: {e}", False))
+        except ValueError as e:   # a plan error: nothing was written
+            answer = (order_id, 0, (str(e), False))
+        except Exception as e:    # unknown: bytes may be in flight
+            answer = (order_id, 0, (f"{type(e).__name__}: {e}", True))
         with send_lock:
             conn.send(answer)
 
@@ -96,6 +115,7 @@ class RankWriters:
         self._gone: list[str | None] = [None] * len(conns)
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self.bytes_written = 0      # acknowledged by the peers of every worker rank
         for i, conn in enumerate(conns):
             threading.Thread(target=self._receive, args=(i,), name=f"rank{i + 1}-writes", daemon=True).start()
 
@@ -113,16 +133,16 @@ class RankWriters:
         try:
             with self._send_locks[i]:
                 self._conns[i].send((order_id, order))
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, TypeError) as e:   # TypeError: its end was just closed
             self._end(i, f"tensor-parallel rank {rank} cannot take KV writes: {e}")
         return future
 
     def wait(self, future: Future, order: WriteOrder) -> int:
-        """The bytes the order wrote; TransferError when it failed or did not answer within
-        twice its timeout (then unsettled: it may still land)."""
+        """The bytes the order wrote; TransferError when it failed or did not answer by
+        order.answer_by (then unsettled: it may still land)."""
         try:
-            return future.result(timeout=2 * order.timeout_s)
-        except TimeoutError:
+            return future.result(timeout=max(0.0, order.answer_by - time.monotonic()))
+        except concurrent.futures.TimeoutError:   # not the builtin TimeoutError before 3.11
             raise TransferError("a tensor-parallel rank did not answer its KV write in time",
                                 unsettled=True) from None
 
@@ -135,10 +155,12 @@ class RankWriters:
                 order_id, nbytes, error = conn.recv()
             except (EOFError, OSError):
                 self._end(i, f"tensor-parallel rank {i + 1} exited; its KV writes ended")
-                conn.close()
+                with self._send_locks[i]:
+                    conn.close()
                 return
             with self._lock:
                 future = self._pending[i].pop(order_id, None)
+                self.bytes_written += nbytes
             if future is None:
                 continue
             if error is None:
@@ -163,5 +185,5 @@ class RankWriters:
             try:
                 with self._send_locks[i]:
                     conn.send(None)
-            except (OSError, ValueError):   # the worker is gone already
+            except (OSError, ValueError, TypeError):   # the worker is gone already
                 pass

@@ -153,6 +153,9 @@ def _start_transfer(spec: WorkerSpec, kv_cache, writes_conn) -> bytes:
     transfer = spec.transfer_factory()
     transfer.register(kv_cache.data_ptr(), kv_cache.numel() * kv_cache.element_size())
     layout = KVLayout.of_tensor(kv_cache)
+    # the worker has no logging set up: stderr is the node's log
+    print(f"tensor-parallel rank {spec.rank}: KV cache registered with {transfer.name} at {transfer.endpoint}, "
+          f"listening on {', '.join(transfer.listen_addresses) or 'no listener of its own'}", file=sys.stderr, flush=True)
     if writes_conn is not None:
         threading.Thread(target=serve_writes, args=(writes_conn, KVSender(transfer, layout)),
                          name="rank-writes", daemon=True).start()

@@ -9,6 +9,8 @@ NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 MAX_FIELD_CHARS = 256     # address, model_id, transfer endpoint, instance_id
 TRANSFER_BACKENDS = ("mooncake", "grpc", "fake")
 MAX_TENSOR_PARALLEL = 64
+# what every rank of a node has alike (each its own heads and addresses)
+RANK_SHARED_FIELDS = ("dtype", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim")
 
 
 def node_info_error(node) -> str:
@@ -37,4 +39,10 @@ def node_info_error(node) -> str:
         return "node.kv_ranks must be empty or one entry per tensor-parallel rank"
     if any(len(r.transfer_endpoint) > MAX_FIELD_CHARS for r in node.kv_ranks):
         return f"node.kv_ranks[].transfer_endpoint must be at most {MAX_FIELD_CHARS} characters"
+    if node.kv_ranks and (node.kv_ranks[0].transfer_endpoint != node.transfer_endpoint
+                          or node.kv_ranks[0].layout != node.kv_layout):
+        return "node.kv_ranks[0] must repeat node.transfer_endpoint and node.kv_layout (rank 0)"
+    for i, r in enumerate(node.kv_ranks):
+        if any(getattr(r.layout, f) != getattr(node.kv_layout, f) for f in RANK_SHARED_FIELDS):
+            return f"node.kv_ranks[{i}].layout must match node.kv_layout in {', '.join(RANK_SHARED_FIELDS)}"
     return ""

@@ -128,7 +128,7 @@ class EngineNode:
                                    total_blocks=stats["total_blocks"], stalled=self.stalled,
                                    cached_blocks=stats["cached_blocks"],
                                    quarantined_blocks=stats["quarantined_blocks"],
-                                   transfer_bytes_written=self.transfer.bytes_written)
+                                   transfer_bytes_written=self.bytes_written())
 
     async def engine_stats(self, pending_transfers: int = 0) -> engine_pb2.EngineStats:
         s = await self.engine.stats()
@@ -138,7 +138,11 @@ class EngineNode:
             total_blocks=s["total_blocks"], pending_transfers=pending_transfers,
             prefix_hit_tokens=s["prefix_hit_tokens"], preemptions=s["preemptions"],
             quarantined_blocks=s["quarantined_blocks"], kv_remote=s["kv_remote"], held=s["held"],
-            transfer_bytes_written=self.transfer.bytes_written, transfer_bytes_read=self.transfer.bytes_read)
+            transfer_bytes_written=self.bytes_written(), transfer_bytes_read=self.transfer.bytes_read)
+
+    def bytes_written(self) -> int:
+        """KV bytes peers acknowledged, from every rank of this node."""
+        return self.transfer.bytes_written + (self.rank_writers.bytes_written if self.rank_writers else 0)
 
     def channel(self, address: str) -> grpc.aio.Channel:
         """A long-lived channel to a peer node (connections are reused across requests)."""

@@ -11,11 +11,15 @@ its heads (common/transfer/tp_pairing.py).
 KVPusher (kv_push.py) calls write() on an executor thread for each batch it decides (blocks,
 layers); a sharded write sends the worker ranks their orders first (rank_writes.py), makes
 rank 0's own, then waits for all: it returns only when every rank's bytes were
-acknowledged, and on any failure raises once all have ended (unsettled when any may still
-land), so the pusher's settle / stop logic holds for every rank alike.
+acknowledged, and on any failure raises once all have ended or been given up on
+(unsettled when any may still land), so the pusher's stop / settled logic holds for every
+rank alike. One gap: a worker's write given up on (no answer in time) may still be reading
+its source blocks after the pusher's settle() returned; its destination blocks stay
+quarantined on the decode node (unsettled), so what it writes there is never used.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -67,11 +71,14 @@ class RankPairWrites:
 
     def write(self, src: Sequence[int], dst: Sequence[int], layers: tuple[int, ...] | None,
               last_block_tokens: int | None, timeout_s: float) -> int:
+        """Every rank's share; ends by now + 3 x timeout_s at the latest (a worker's order
+        starts within timeout_s or not at all, then ends within 2 x timeout_s)."""
+        not_after = time.monotonic() + timeout_s
         orders = []
         for t in self.targets:
             if t.src > 0:
                 order = WriteOrder(t.peer, t.layout, tuple(src), tuple(dst), layers, last_block_tokens,
-                                   timeout_s, t.head_offset)
+                                   timeout_s, t.head_offset, not_after)
                 orders.append((order, self.writers.write(t.src, order)))
         errors: list[TransferError] = []
         total = 0
@@ -81,17 +88,26 @@ class RankPairWrites:
                     total += self.sender.send_blocks(t.peer, t.layout, src, dst, layers=layers,
                                                      last_block_tokens=last_block_tokens, timeout_s=timeout_s,
                                                      head_offset=t.head_offset)
-                except (TransferError, ValueError) as e:   # the workers' writes are still waited for
-                    errors.append(e if isinstance(e, TransferError) else TransferError(str(e)))
+                except Exception as e:   # the workers' writes are still waited for
+                    errors.append(as_transfer_error(e))
         for order, future in orders:
             try:
                 total += self.writers.wait(future, order)
-            except TransferError as e:
-                errors.append(e)
+            except Exception as e:
+                errors.append(as_transfer_error(e))
         if errors:
             raise TransferError("; ".join(dict.fromkeys(str(e) for e in errors)),
                                 unsettled=any(e.unsettled for e in errors))
         return total
+
+
+def as_transfer_error(e: Exception) -> TransferError:
+    """A TransferError as it is; a plan's ValueError wrote nothing (settled); anything else
+    may have left bytes in flight (unsettled)."""
+    if isinstance(e, TransferError):
+        return e
+    return TransferError(str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}",
+                         unsettled=not isinstance(e, ValueError))
 
 
 def destination_writes(sender: KVSender, writers: RankWriters | None, own: Sequence[KVLayout],

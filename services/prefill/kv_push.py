@@ -186,8 +186,8 @@ class KVPusher:
             if not w.done() or w.cancelled():   # cancelled: its thread may still be writing
                 return False
             e = w.exception()
-            if isinstance(e, TransferError) and e.unsettled:
-                return False
+            if e is not None and not isinstance(e, ValueError) and (not isinstance(e, TransferError) or e.unsettled):
+                return False    # bytes may still land (a ValueError is a plan error: nothing sent)
         return True
 
     async def settle(self) -> None:

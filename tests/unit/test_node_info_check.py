@@ -13,11 +13,35 @@ def info(**fields) -> common_pb2.NodeInfo:
     return common_pb2.NodeInfo(node_id="n0", role="decode", address="127.0.0.1:1", **fields)
 
 
+LAYOUT = common_pb2.KVLayout(dtype="float32", num_layers=2, num_blocks=8, block_size=16, num_kv_heads=2,
+                             head_dim=4, base_address=4096, strides=[1024, 512, 256, 16, 8, 4])
+
+
+def rank(port: int, **layout) -> common_pb2.KVRank:
+    moved = common_pb2.KVLayout()
+    moved.CopyFrom(LAYOUT)
+    for name, value in layout.items():
+        setattr(moved, name, value)
+    return common_pb2.KVRank(transfer_endpoint=f"127.0.0.1:{port}", layout=moved)
+
+
 def test_a_plain_node_and_a_tp_node_with_one_entry_per_rank_pass():
     assert node_info_error(info()) == ""
-    ranks = [common_pb2.KVRank(transfer_endpoint=f"127.0.0.1:{p}") for p in (1, 2)]
-    assert node_info_error(info(tensor_parallel_size=2, kv_ranks=ranks)) == ""
+    ranks = [rank(1), rank(2, base_address=1 << 20)]
+    assert node_info_error(info(tensor_parallel_size=2, kv_ranks=ranks, transfer_endpoint="127.0.0.1:1",
+                                kv_layout=LAYOUT)) == ""
     assert node_info_error(info(tensor_parallel_size=2)) == ""
+
+
+@pytest.mark.parametrize("ranks,error", [
+    ([rank(9), rank(2)], r"node.kv_ranks\[0\] must repeat node.transfer_endpoint and node.kv_layout"),
+    ([rank(1, base_address=8), rank(2)], r"node.kv_ranks\[0\] must repeat"),
+    ([rank(1), rank(2, num_kv_heads=4)], r"node.kv_ranks\[1\].layout must match node.kv_layout in dtype, "
+                                         r"num_layers, num_blocks, block_size, num_kv_heads, head_dim"),
+])
+def test_rank_entries_must_agree_with_what_rank_0_published(ranks, error):
+    msg = info(tensor_parallel_size=2, kv_ranks=ranks, transfer_endpoint="127.0.0.1:1", kv_layout=LAYOUT)
+    assert re.search(error, node_info_error(msg)), node_info_error(msg)
 
 
 @pytest.mark.parametrize("fields,error", [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import time
 
 import pytest
 import torch
@@ -46,8 +47,10 @@ def worker(sender) -> tuple[RankWriters, threading.Thread, object]:
 
 
 def order(**kw) -> WriteOrder:
+    timeout_s = kw.pop("timeout_s", 1.0)
     return WriteOrder(**{"peer": "d:1", "dst_layout": layout(4), "src_block_ids": (1, 2), "dst_block_ids": (5, 6),
-                         "layers": (0,), "last_block_tokens": None, "timeout_s": 1.0, "head_offset": 2, **kw})
+                         "layers": (0,), "last_block_tokens": None, "timeout_s": timeout_s, "head_offset": 2,
+                         "not_after": time.monotonic() + timeout_s, **kw})
 
 
 def test_a_worker_runs_the_order_and_answers_its_bytes():
@@ -102,6 +105,31 @@ def test_no_answer_within_twice_the_timeout_is_an_unsettled_failure():
         writers.wait(writers.write(1, o), o)
     assert e.value.unsettled
     block.set()
+    writers.close()
+
+
+def test_an_order_taken_past_its_start_deadline_writes_nothing_and_is_settled():
+    sender = Sender()
+    writers, _, _ = worker(sender)
+    o = order(not_after=time.monotonic() - 0.01)
+    with pytest.raises(TransferError, match="start deadline passed") as e:
+        writers.wait(writers.write(1, o), o)
+    assert not e.value.unsettled and sender.calls == []
+    writers.close()
+
+
+def test_a_sharded_write_returns_only_once_the_worker_answered():
+    release = threading.Event()
+    writers, _, _ = worker(Sender(block=release))
+    writes = RankPairWrites(Sender(), writers, rank_targets([layout(2), layout(2)], [("a", layout(4))]))
+    done = []
+    t = threading.Thread(target=lambda: done.append(writes.write([1], [3], None, None, 5.0)))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and not done, "rank 0's own write is done; the worker's is not"
+    release.set()
+    t.join(5)
+    assert done == [200]
     writers.close()
 
 
