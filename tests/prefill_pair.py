@@ -51,7 +51,7 @@ class PrefillPair:
         self.prefill_node = SimpleNamespace(
             engine=AsyncEngine(self.prefill_engine), sender=KVSender(self.prefill_transfer, prefill_layout),
             executor=ThreadPoolExecutor(4), kv_store=None, layout=prefill_layout,
-            rank_layouts=[prefill_layout], rank_writers=None,
+            rank_layouts=[prefill_layout], rank_writers=None, staging=None,
             node=NodeConfig("prefill", "prefill-0", max_queue=max_queue), mesh=mesh)
         self.prefill_node.metrics = NodeMetrics("prefill-0", self.prefill_node.engine.snapshot, self.prefill_transfer)
         self.members = [common_pb2.NodeInfo(node_id="decode-0", role="decode", transfer_backend="fake",

@@ -54,7 +54,7 @@ from common.config import EngineConfig
 from common.engine import cpu_budget
 from common.parallel.group import TPGroup, make_store
 from common.parallel.rank_writes import RankWriters
-from common.parallel.step_inputs import INLINE_LEN, HEADER_LEN, StepInputs, pack, stop_message
+from common.parallel.step_inputs import INLINE_LEN, HEADER_LEN, StepInputs, gather_message, pack, stop_message
 from common.parallel.worker import WorkerSpec, main as worker_main
 
 log = logging.getLogger("pdmesh.engine")
@@ -186,6 +186,23 @@ class TPExecutor:
             if len(wire) > INLINE_LEN:
                 self.group.broadcast(wire[HEADER_LEN:])
             yield
+        except Exception as e:
+            raise self._fail(e) from e
+
+    def gather_kv(self, kv_cache, block_ids: list[int]) -> list:
+        """Between steps, on the thread that steps: every rank's KV of these blocks (all
+        layers, K and V: [L, 2, n, block_size, heads, head_dim] each), rank 0 first. Any
+        error ends the group, as in step()."""
+        if self._error is not None:
+            raise self._error
+        if self._dead(timeout=0):
+            raise self._fail(None)
+        try:
+            wire = gather_message(block_ids)
+            self.group.broadcast(wire[:INLINE_LEN])
+            if len(wire) > INLINE_LEN:
+                self.group.broadcast(wire[HEADER_LEN:])
+            return self.group.gather(kv_cache[:, :, block_ids])
         except Exception as e:
             raise self._fail(e) from e
 

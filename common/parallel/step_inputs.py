@@ -9,7 +9,8 @@ Wire form (int64; tables are padded to their width with block 0, as the runner p
                                                    n_tok  n_tok n_tok  n_dec    n_dec*w_dec
                                                    n_pre  n_pre  n_pre*w_pre  n_smp
 
-A step is one broadcast of a fixed INLINE_LEN buffer (header + payload) when it fits;
+Between steps rank 0 may send a GatherKV instead (header [OP_GATHER_KV 0 0 0 0 0 0 len],
+payload: block ids). A step is one broadcast of a fixed INLINE_LEN buffer (header + payload) when it fits;
 a bigger one sends the header alone, then the payload as a second broadcast of `len`.
 Why a tensor and not pickled objects: the collectives' own backend carries it, in step
 with them, and gloo broadcasts only tensors (costs: common/parallel/executor.py).
@@ -22,7 +23,7 @@ import torch
 
 HEADER_LEN = 8
 INLINE_LEN = 4096          # 32 KiB: a step of ~1000 tokens or 64 decodes of 1000+ tokens
-OP_STOP, OP_STEP = 0, 1
+OP_STOP, OP_STEP, OP_GATHER_KV = 0, 1, 2
 
 
 @dataclass
@@ -65,6 +66,25 @@ def pack(inputs: StepInputs) -> torch.Tensor:
     return wire
 
 
+@dataclass
+class GatherKV:
+    """Between steps: every rank gathers these blocks of its KV cache (all layers, K and V)
+    to rank 0 (a prefill node staging head slices into whole blocks,
+    services/prefill/kv_destination.py)."""
+
+    block_ids: list[int]
+
+
+def gather_message(block_ids: list[int]) -> torch.Tensor:
+    """The wire tensor of a GatherKV: header [OP_GATHER_KV, 0 ... , len] + the ids."""
+    values = torch.tensor([OP_GATHER_KV, 0, 0, 0, 0, 0, 0, len(block_ids), *block_ids], dtype=torch.int64)
+    if len(values) >= INLINE_LEN:
+        return values
+    wire = torch.zeros(INLINE_LEN, dtype=torch.int64)
+    wire[:len(values)] = values
+    return wire
+
+
 def stop_message() -> torch.Tensor:
     message = torch.zeros(INLINE_LEN, dtype=torch.int64)
     message[0] = OP_STOP
@@ -75,9 +95,9 @@ def is_inline(wire: torch.Tensor) -> bool:
     return HEADER_LEN + int(wire[HEADER_LEN - 1]) <= INLINE_LEN
 
 
-def unpack(header_and_inline: torch.Tensor, payload: torch.Tensor | None = None) -> StepInputs | None:
-    """StepInputs from a received INLINE_LEN buffer (and the second broadcast's payload
-    when it did not fit); None for the stop message."""
+def unpack(header_and_inline: torch.Tensor, payload: torch.Tensor | None = None) -> StepInputs | GatherKV | None:
+    """StepInputs (or a GatherKV) from a received INLINE_LEN buffer (and the second
+    broadcast's payload when it did not fit); None for the stop message."""
     head = header_and_inline[:HEADER_LEN].tolist()
     op, n_tok, n_dec, w_dec, n_pre, w_pre, n_smp, length = head
     if op == OP_STOP:
@@ -85,6 +105,8 @@ def unpack(header_and_inline: torch.Tensor, payload: torch.Tensor | None = None)
     if payload is None:
         payload = header_and_inline[HEADER_LEN:HEADER_LEN + length]
     values = payload.tolist()
+    if op == OP_GATHER_KV:
+        return GatherKV(values)
     sizes = [n_tok, n_tok, n_tok, n_dec, n_dec * w_dec, n_pre, n_pre, n_pre * w_pre, n_smp]
     parts, at = [], 0
     for size in sizes:

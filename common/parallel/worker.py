@@ -13,7 +13,8 @@ Lifecycle (`main`):
     grouped           joins the TP group (no timeout: it waits for rank 0 while idle)
     stepping          receives each step's StepInputs (one broadcast, two when big), runs
                       its shard's forward (the all-reduces and the logits gather with
-                      the other ranks); repeats until the stop message
+                      the other ranks); between steps, a GatherKV: sends those blocks of
+                      its KV cache to rank 0; repeats until the stop message
     exited            0 after the stop message; 1 on an error (error/<r>), or at once
                       when rank 0's process is gone
 
@@ -165,7 +166,7 @@ def _start_transfer(spec: WorkerSpec, kv_cache, writes_conn) -> bytes:
 def _serve(group, runner) -> None:
     import torch
 
-    from common.parallel.step_inputs import INLINE_LEN, HEADER_LEN, is_inline, unpack
+    from common.parallel.step_inputs import INLINE_LEN, HEADER_LEN, GatherKV, is_inline, unpack
 
     wire = torch.empty(INLINE_LEN, dtype=torch.int64)
     while True:
@@ -176,4 +177,7 @@ def _serve(group, runner) -> None:
         inputs = unpack(wire, payload)
         if inputs is None:
             return
+        if isinstance(inputs, GatherKV):
+            group.gather(runner.kv_cache[:, :, inputs.block_ids])
+            continue
         runner.forward(inputs)

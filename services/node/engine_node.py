@@ -15,6 +15,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import torch
 
 from common.config import MeshConfig, NodeConfig
 from common.engine.async_engine import AsyncEngine
@@ -29,8 +30,11 @@ from services.node import grpc_util
 from services.kv_store.client import KVStoreClient
 from services.node.metrics import NodeMetrics
 from services.node.node_registration import NodeRegistration, create_registration
+from services.prefill.kv_destination import Staging, StagingPool
 
 log = logging.getLogger("pdmesh.node")
+
+STAGING_MAX_BYTES = 256 << 20    # a TP > 1 prefill node's staging blocks (kv_destination.StagingPool)
 
 
 def transfer_options(mesh: MeshConfig, advertised_host: str) -> dict:
@@ -95,6 +99,7 @@ class EngineNode:
         self.kv_ranks += [common_pb2.KVRank.FromString(raw) for raw in (tp.kv_ranks if tp is not None else ())]
         self.rank_writers = tp.writers if tp is not None else None
         self.rank_layouts = [KVLayout.from_proto(r.layout) for r in self.kv_ranks]
+        self.staging = self._staging() if tp is not None and node.role == "prefill" else None
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{node.node_id}-kv")
         self.kv_store: KVStoreClient | None = None
         if mesh.kv_store is not None and node.role == "prefill" and tp_size > 1:
@@ -110,6 +115,23 @@ class EngineNode:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.peer_limits = grpc_util.PeerLimits(grpc_util.MAX_CALLS_PER_PEER)   # calls to peer nodes
         self.metrics = NodeMetrics(node.node_id, self.engine.snapshot, self.transfer)   # served by the node server
+
+    def _staging(self) -> Staging:
+        """Registered staging blocks holding every KV head, for pushes into decode nodes of
+        a smaller TP size (kv_destination.StagedWrites): enough for two full prefill chunks,
+        at most STAGING_MAX_BYTES."""
+        kv = self.llm_engine.kv_cache
+        L, _, _, bs, heads, dim = kv.shape
+        heads *= len(self.kv_ranks)
+        per_block = L * 2 * bs * heads * dim * kv.element_size()
+        chunk_blocks = -(-self.llm_engine.config.max_num_batched_tokens // bs) + 1
+        num_blocks = max(1, min(STAGING_MAX_BYTES // per_block, 2 * chunk_blocks))
+        buffer = torch.zeros(num_blocks * per_block // kv.element_size(), dtype=kv.dtype, device=kv.device)
+        self.transfer.register(buffer.data_ptr(), buffer.numel() * buffer.element_size())
+        tp = self.llm_engine.tp
+        return Staging(StagingPool(buffer, L, num_blocks, bs, heads, dim),
+                       gather=lambda ids: tp.gather_kv(kv, ids),
+                       sender_for=lambda cache: KVSender(self.transfer, KVLayout.of_tensor(cache)))
 
     def node_info(self) -> common_pb2.NodeInfo:
         stats = self.engine.snapshot()
@@ -138,7 +160,9 @@ class EngineNode:
             total_blocks=s["total_blocks"], pending_transfers=pending_transfers,
             prefix_hit_tokens=s["prefix_hit_tokens"], preemptions=s["preemptions"],
             quarantined_blocks=s["quarantined_blocks"], kv_remote=s["kv_remote"], held=s["held"],
-            transfer_bytes_written=self.bytes_written(), transfer_bytes_read=self.transfer.bytes_read)
+            transfer_bytes_written=self.bytes_written(), transfer_bytes_read=self.transfer.bytes_read,
+            rank_bytes_written=self.rank_writers.bytes_written if self.rank_writers else 0,
+            kv_blocks_staged=self.staging.pool.num_staged if self.staging else 0)
 
     def bytes_written(self) -> int:
         """KV bytes peers acknowledged, from every rank of this node."""

@@ -7,6 +7,10 @@ its heads (common/transfer/tp_pairing.py).
     p = d                          i -> i                      whole blocks, per rank
     p = k * d                      i -> i // k at (i % k) * h  head slices (a write per
                                                                token slot: kv_writes.py)
+                                   staged (a prefill node's    rank 0 gathers every rank's
+                                   default: StagedWrites)      heads of the batch between
+                                                               steps and writes whole
+                                                               blocks to each decode rank
 
 KVPusher (kv_push.py) calls write() on an executor thread for each batch it decides (blocks,
 layers); a sharded write sends the worker ranks their orders first (rank_writes.py), makes
@@ -19,8 +23,9 @@ quarantined on the decode node (unsettled), so what it writes there is never use
 """
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from common.parallel.rank_writes import RankWriters, WriteOrder
@@ -110,11 +115,21 @@ def as_transfer_error(e: Exception) -> TransferError:
                          unsettled=not isinstance(e, ValueError))
 
 
+@dataclass(frozen=True)
+class Staging:
+    """What a prefill node at TP > 1 stages with (services/node/engine_node.py)."""
+
+    pool: StagingPool
+    gather: Callable[[list[int]], list]            # block ids -> every rank's KV of them
+    sender_for: Callable[[object], KVSender]       # a registered staging cache -> its sender
+
+
 def destination_writes(sender: KVSender, writers: RankWriters | None, own: Sequence[KVLayout],
-                       dest: Sequence[tuple[str, KVLayout]]) -> OneRankWrites | RankPairWrites:
+                       dest: Sequence[tuple[str, KVLayout]], staging: Staging | None = None):
     """The writes from this node's ranks (own: layouts, rank 0 first) into a decode node's
-    (dest: endpoint and layout per rank). ValueError, naming what does not fit, for rank
-    counts that cannot be paired or layouts that differ (dtype, layers, block size,
+    (dest: endpoint and layout per rank): OneRankWrites, RankPairWrites, or, for head
+    slices when staging is given, StagedWrites. ValueError, naming what does not fit, for
+    rank counts that cannot be paired or layouts that differ (dtype, layers, block size,
     head_dim; heads, unless a head slice is written)."""
     if len(own) == 1 and len(dest) == 1:
         own[0].check_compatible(dest[0][1])
@@ -122,4 +137,116 @@ def destination_writes(sender: KVSender, writers: RankWriters | None, own: Seque
     targets = rank_targets(own, dest)
     for t in targets:
         own[t.src].check_compatible(t.layout, same_heads=t.head_offset is None)
-    return RankPairWrites(sender, writers, targets)
+    slices = RankPairWrites(sender, writers, targets)
+    if staging is None or len(own) == len(dest):
+        return slices
+    return StagedWrites(staging.gather, staging.sender_for, staging.pool, slices, dest, len(own) // len(dest))
+
+
+class StagingPool:
+    """Registered staging blocks of every KV head, for pushes that would otherwise write
+    head slices: [num_layers, 2, num_blocks, block_size, all heads, head_dim] worth of
+    bytes, viewed per decode TP size d as d caches of the decode ranks' heads. A batch
+    takes a run of consecutive blocks (one write per layer and K/V for the run) and gives
+    it back once its write ended settled. Thread-safe."""
+
+    def __init__(self, buffer, num_layers: int, num_blocks: int, block_size: int, num_heads: int, head_dim: int):
+        self.buffer = buffer                        # flat, registered with the transfer engine
+        self.shape = (num_layers, 2, num_blocks, block_size, num_heads, head_dim)
+        self.num_blocks = num_blocks
+        self._free = [True] * num_blocks
+        self._lock = threading.Lock()
+        self.num_staged = 0        # blocks staged so far (EngineStats.kv_blocks_staged)
+
+    def caches(self, d: int) -> list:
+        """The d decode ranks' staging caches [L, 2, N, block_size, heads / d, head_dim]."""
+        L, two, n, bs, h, dim = self.shape
+        return list(self.buffer.view(d, L, two, n, bs, h // d, dim).unbind(0))
+
+    def take(self, n: int) -> int | None:
+        """The first of n consecutive free blocks, now taken; None when there is no such run."""
+        with self._lock:
+            run = 0
+            for i, free in enumerate(self._free):
+                run = run + 1 if free else 0
+                if run == n:
+                    start = i - n + 1
+                    self._free[start:i + 1] = [False] * n
+                    self.num_staged += n
+                    return start
+        return None
+
+    def give_back(self, start: int, n: int) -> None:
+        with self._lock:
+            self._free[start:start + n] = [True] * n
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A batch gathered into staging blocks [start, start + n)."""
+
+    start: int
+    n: int
+
+
+class StagedWrites:
+    """Prefill TP p = k * d, k > 1: instead of each rank writing its head slices (a write
+    per token slot: 256 per block in bench/transfer.py --tp, 0.03x the bandwidth), rank 0
+    gathers every rank's KV of the batch's blocks between steps (one collective,
+    common/parallel/executor.gather_kv), assembles each decode rank's heads into staging
+    blocks and writes them as whole blocks: one write per layer and K/V per decode rank.
+    stage() runs on the step thread after the step (KVPusher in chunk mode: a gather
+    cannot run inside the forward pass); write() on an executor thread. When the pool has
+    no run of free blocks left, the batch falls back to the head-slice writes."""
+
+    staged = True
+
+    def __init__(self, gather, sender_for, pool: StagingPool, slices: RankPairWrites,
+                 dest: Sequence[tuple[str, KVLayout]], k: int):
+        """gather(block_ids) -> every rank's [L, 2, n, bs, h_p, D] (rank 0 first);
+        sender_for(cache) -> a KVSender over that registered staging cache."""
+        self.gather, self.pool, self.slices, self.dest, self.k = gather, pool, slices, dest, k
+        self.caches = pool.caches(len(dest))
+        self.senders = [sender_for(c) for c in self.caches]
+
+    def stage(self, src: Sequence[int]):
+        """Step thread: src gathered into staging blocks (a Staged), or src itself when the
+        pool is full."""
+        start = self.pool.take(len(src))
+        if start is None:
+            return src
+        try:
+            parts = self.gather(list(src))
+        except BaseException:
+            self.pool.give_back(start, len(src))
+            raise
+        for rank, part in enumerate(parts):
+            j, i = divmod(rank, self.k)
+            h = part.shape[4]
+            self.caches[j][:, :, start:start + len(src), :, i * h:(i + 1) * h].copy_(part)
+        return Staged(start, len(src))
+
+    def discard(self, staged) -> None:
+        """A staged batch that will not be written."""
+        if isinstance(staged, Staged):
+            self.pool.give_back(staged.start, staged.n)
+
+    def write(self, src, dst: Sequence[int], layers: tuple[int, ...] | None,
+              last_block_tokens: int | None, timeout_s: float) -> int:
+        if not isinstance(src, Staged):
+            return self.slices.write(src, dst, layers, last_block_tokens, timeout_s)
+        ids = list(range(src.start, src.start + src.n))
+        errors: list[TransferError] = []
+        total = 0
+        for sender, (peer, layout) in zip(self.senders, self.dest):
+            try:
+                total += sender.send_blocks(peer, layout, ids, dst, layers=layers,
+                                            last_block_tokens=last_block_tokens, timeout_s=timeout_s)
+            except Exception as e:
+                errors.append(as_transfer_error(e))
+        if not any(e.unsettled for e in errors):   # nothing can still read the staging blocks
+            self.discard(src)
+        if errors:
+            raise TransferError("; ".join(dict.fromkeys(str(e) for e in errors)),
+                                unsettled=any(e.unsettled for e in errors))
+        return total

@@ -30,7 +30,9 @@ transfer call runs) for the writes in flight: True when all of them ended (settl
 `settle` waits for them however long they take (before the source blocks may be freed).
 
 Mode: `layerwise` (True, transfer.kv_push "layerwise", the default) or per chunk (False,
-"chunk").
+"chunk"); always per chunk into a destination that stages its batches (a tensor-parallel
+push gathered into whole blocks, kv_destination.StagedWrites: the gather is a collective
+of the node's ranks, which runs between steps, not inside the forward pass).
 """
 from __future__ import annotations
 
@@ -66,6 +68,9 @@ class KVPusher:
         """destination: what makes each batched write (kv_destination.py: one rank, or
         every rank of a tensor-parallel node)."""
         self.destination, self.executor = destination, executor
+        self._staged = getattr(destination, "staged", False)
+        if self._staged:
+            layerwise = False   # a staged batch is gathered between steps, all layers at once
         self.dst_block_ids = dst_block_ids
         self.block_size = block_size
         self.num_prompt_tokens = num_prompt_tokens
@@ -124,13 +129,24 @@ class KVPusher:
             if self.deadline - time.monotonic() <= 0:
                 self.error = self.error or TransferError("the request's deadline passed before its KV was sent")
                 return
+            if self._staged:    # gathered between steps into whole blocks (kv_destination.StagedWrites)
+                try:
+                    src = self.destination.stage(src)
+                except Exception as e:   # the node's ranks failed: nothing was written
+                    self.error = self.error or TransferError(f"the KV push could not gather its blocks: {e}")
+                    return
             try:
                 future = self.executor.submit(self._send, src, dst, last_tokens, layers)
             except RuntimeError as e:   # the executor is shut down: the node is stopping
+                self._discard(src)
                 self.error = self.error or TransferError(f"the KV push could not start a write: {e}")
                 return
             self._submitted.append(future)
             self.num_writes += 1
+
+    def _discard(self, src) -> None:
+        if self._staged:
+            self.destination.discard(src)
 
     # ---- executor thread ------------------------------------------------------------
     def _send(self, src: list[int], dst: list[int], last_tokens: int | None,
@@ -139,6 +155,7 @@ class KVPusher:
         for a thread (then it writes nothing: a settled TransferError)."""
         remaining = self.deadline - time.monotonic()
         if self._stopped or remaining <= 0:
+            self._discard(src)
             raise TransferError("the KV push was stopped, or its deadline passed, before this write started")
         return self.destination.write(src, dst, layers, last_tokens, min(self.transfer_timeout_s, remaining))
 

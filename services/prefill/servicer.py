@@ -104,7 +104,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             await context.abort(e.code, str(e), trailing_metadata=SETTLED)
         try:
             writes = destination_writes(self.node.sender, self.node.rank_writers, self.node.rank_layouts,
-                                        checked.ranks)
+                                        checked.ranks, self.node.staging)
         except ValueError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"prefill node {self.node.node.node_id} cannot push into {dest.node_id}: {e}",

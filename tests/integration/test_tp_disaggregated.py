@@ -3,7 +3,8 @@ in one mesh: prefill nodes p2 (TP 2) and p1 (TP 1), decode nodes d2 (TP 2) and d
 Mooncake over TCP. Draining the others, each phase leaves one pair in routing:
 
     p2 -> d2   rank i writes rank i (whole blocks)
-    p2 -> d1   both prefill ranks write their heads into d1's one cache (head slices)
+    p2 -> d1   p2's rank 0 gathers both ranks' heads and writes d1's one cache whole
+               (staged; head slices, a write per token slot, only when staging is full)
     p1 -> d1   the TP-1 path
 
 and 16 concurrent requests through the gateway must all be prefilled remotely (the path
@@ -19,7 +20,7 @@ import pytest
 
 from common.engine import LLM, SamplingParams
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
-from tests.integration.conftest import ENGINE, launch, mesh_dict, mixed_prompts
+from tests.integration.conftest import ENGINE, engine_stats, launch, mesh_dict, mixed_prompts
 from tests.integration.test_mesh import MAX_TOKENS, assert_matches_offline, assert_no_blocks_in_use, request, stream
 from tests.integration.test_tp_mesh import members, rank_workers
 
@@ -78,6 +79,11 @@ def routed(mesh) -> dict[str, int]:
     return {n.node_id: n.num_routed for n in stats.nodes}
 
 
+def p2_stats(mesh):
+    svc = mesh.services["p2"]
+    return engine_stats(svc.address, svc.role)
+
+
 def test_the_mesh_publishes_one_kv_cache_per_rank(mesh):
     found = members(mesh)
     for node_id in TP2:
@@ -94,14 +100,22 @@ def test_the_mesh_publishes_one_kv_cache_per_rank(mesh):
 @pytest.mark.parametrize("prefill,decode", [("p2", "d2"), ("p2", "d1"), ("p1", "d1")])
 def test_each_pair_of_sizes_serves_the_offline_tokens(mesh, offline, prefill, decode):
     only(mesh, {prefill, decode})
-    before = routed(mesh)
+    before, p2_before = routed(mesh), p2_stats(mesh)
     seed = PHASES[prefill, decode]
     results = asyncio.run(run_phase(mesh.gateway_address, seed))
-    after = routed(mesh)
+    after, p2_after = routed(mesh), p2_stats(mesh)
     assert all(msgs[0].prefill_timing.remote for _, _, msgs in results), "every prompt prefilled remotely"
     assert after[prefill] - before.get(prefill, 0) == len(results)
     assert after[decode] - before.get(decode, 0) == len(results)
     assert_matches_offline(results, offline[seed])
+    rank_bytes = p2_after.rank_bytes_written - p2_before.rank_bytes_written
+    staged = p2_after.kv_blocks_staged - p2_before.kv_blocks_staged
+    if (prefill, decode) == ("p2", "d2"):      # rank 1 wrote its heads from its own process
+        assert rank_bytes > 0 and staged == 0
+    elif (prefill, decode) == ("p2", "d1"):    # gathered to rank 0, pushed as whole blocks
+        assert rank_bytes == 0 and staged >= len(results)
+    else:
+        assert rank_bytes == 0 and staged == 0
     assert_no_blocks_in_use(mesh)
 
 

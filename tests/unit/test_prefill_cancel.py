@@ -35,7 +35,7 @@ def test_unary_cancel_of_a_queued_prefill_ends_it_cancelled(tiny_model):
     dst.register(dest_kv.data_ptr(), dest_kv.numel() * dest_kv.element_size())
     node = SimpleNamespace(engine=AsyncEngine(engine), sender=KVSender(src, layout),
                            executor=ThreadPoolExecutor(2), kv_store=None, layout=layout,
-                           rank_layouts=[layout], rank_writers=None,
+                           rank_layouts=[layout], rank_writers=None, staging=None,
                            node=NodeConfig("prefill", "prefill-0"), mesh=SimpleNamespace(timeouts=TimeoutConfig(), transfer=TransferConfig(backend="fake")))
     node.metrics = NodeMetrics("prefill-0", node.engine.snapshot, src)
     decode_0 = common_pb2.NodeInfo(node_id="decode-0", role="decode", transfer_endpoint=dst.endpoint,

@@ -1,6 +1,7 @@
 """Rank 0's KV write orders to a tensor-parallel worker (common/parallel/rank_writes.py),
 over a real pipe with the worker's loop on a thread, and the sharded destination writes
-(services/prefill/kv_destination.py) that wait for every rank."""
+(services/prefill/kv_destination.py): waiting for every rank, and staging head slices
+into whole blocks."""
 from __future__ import annotations
 
 import multiprocessing
@@ -12,8 +13,11 @@ import torch
 
 from common.parallel.rank_writes import RankWriters, WriteOrder, serve_writes
 from common.transfer.base import TransferError
+from common.transfer.fake import FakeTransfer
+from common.transfer.kv_writes import KVSender
 from common.transfer.layout import KVLayout
-from services.prefill.kv_destination import RankPairWrites, RankTarget, destination_writes, rank_targets
+from services.prefill.kv_destination import (RankPairWrites, RankTarget, Staged, StagedWrites, Staging, StagingPool,
+                                             destination_writes, rank_targets)
 
 
 CACHES = {heads: torch.zeros(2, 2, 8, 4, heads, 3) for heads in (2, 4)}
@@ -155,3 +159,44 @@ def test_a_sharded_write_waits_for_every_rank_and_raises_once_all_ended():
     ok = RankPairWrites(Sender(), writers, rank_targets([layout(2), layout(2)], [("a", layout(4))]))
     assert ok.write([1, 2], [3, 4], (1,), None, 1.0) == 400     # both ranks' bytes
     writers.close()
+
+
+def test_staged_writes_assemble_every_rank_s_heads_into_whole_blocks_of_the_decode_rank():
+    """Prefill TP 2 -> decode TP 1: rank 0 gathers both ranks' 2 heads of the batch into
+    staging blocks and pushes them whole (one write per layer and K/V); the decode cache's
+    blocks equal both ranks' caches side by side, the partial last block only up to its
+    tokens; a full pool falls back to the head-slice writes."""
+    gen = torch.Generator().manual_seed(0)
+    ranks = [torch.randn(2, 2, 8, 4, 2, 3, generator=gen) for _ in range(2)]
+    dest = torch.full((2, 2, 8, 4, 4, 3), -1.0)
+    src_t, dst_t = FakeTransfer(), FakeTransfer()
+    dst_t.register(dest.data_ptr(), dest.numel() * dest.element_size())
+    buffer = torch.zeros(2 * 2 * 3 * 4 * 4 * 3)          # 3 staging blocks of all 4 heads
+    src_t.register(buffer.data_ptr(), buffer.numel() * buffer.element_size())
+    pool = StagingPool(buffer, num_layers=2, num_blocks=3, block_size=4, num_heads=4, head_dim=3)
+    fallback = []
+
+    class Slices:
+        def write(self, *args):
+            fallback.append(args)
+            return 7
+
+    staging = Staging(pool, gather=lambda ids: [r[:, :, ids] for r in ranks],
+                      sender_for=lambda cache: KVSender(src_t, KVLayout.of_tensor(cache)))
+    writes = StagedWrites(staging.gather, staging.sender_for, pool, Slices(),
+                          [(dst_t.endpoint, KVLayout.of_tensor(dest))], k=2)
+    sends = []
+    real = src_t.write
+    src_t.write = lambda peer, batch, timeout_s=None: sends.append(len(batch)) or real(peer, batch, timeout_s)
+    batch = writes.stage([5, 6])
+    assert batch == Staged(0, 2)
+    assert writes.write(batch, [1, 2], None, 3, 1.0) == (4 + 3) * 4 * 3 * 4 * 2 * 2
+    assert sends == [4], "one write per layer and K/V (one run of 2 blocks)"
+    want = torch.cat(ranks, dim=4)
+    assert torch.equal(dest[:, :, 1], want[:, :, 5])
+    assert torch.equal(dest[:, :, 2, :3], want[:, :, 6, :3])
+    assert (dest[:, :, 2, 3] == -1).all(), "the partial last block's other slots untouched"
+    assert (dest[:, :, [0, 3, 4, 5, 6, 7]] == -1).all()
+    assert pool.take(3) == 0, "the staging blocks came back once the write ended"
+    assert writes.stage([1]) == [1] and writes.write([1], [0], None, None, 1.0) == 7   # pool full
+    assert len(fallback) == 1
