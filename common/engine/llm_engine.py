@@ -306,6 +306,8 @@ class LLMEngine:
             return self.take_outputs()
         with self.forward_window():
             logits, sample_seqs = self.runner.execute(sched)
+        if self.device.type != "cpu" and any(s.on_computed is not None for s in sched.prefill_seqs):
+            torch.accelerator.synchronize(self.device)   # a push reads the KV the step's kernels wrote
         for seq in sched.decode_seqs:
             self._computed(seq, 1)
         for seq, n in zip(sched.prefill_seqs, sched.prefill_lens):

@@ -64,10 +64,11 @@ class WriteOrder:
         return self.not_after + 2 * self.timeout_s
 
 
-def serve_writes(conn, sender) -> None:
+def serve_writes(conn, sender, sync=None) -> None:
     """Worker: run each WriteOrder received on `conn` with `sender` (this rank's KVSender),
     answering (order id, bytes, None) or (order id, 0, (message, unsettled)); returns when
-    rank 0 says stop (None) or its end is gone, once the writes in flight ended."""
+    rank 0 says stop (None) or its end is gone, once the writes in flight ended. sync():
+    on a device, waits for the rank's queued kernels (those that wrote the KV) first."""
     send_lock = threading.Lock()
     pool = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="rank-write")
 
@@ -78,6 +79,8 @@ def serve_writes(conn, sender) -> None:
                 conn.send(answer)
             return
         try:
+            if sync is not None:
+                sync()
             nbytes = sender.send_blocks(order.peer, order.dst_layout, order.src_block_ids, order.dst_block_ids,
                                         layers=order.layers, last_block_tokens=order.last_block_tokens,
                                         timeout_s=order.timeout_s, head_offset=order.head_offset)

@@ -158,7 +158,10 @@ def _start_transfer(spec: WorkerSpec, kv_cache, writes_conn) -> bytes:
     print(f"tensor-parallel rank {spec.rank}: KV cache registered with {transfer.name} at {transfer.endpoint}, "
           f"listening on {', '.join(transfer.listen_addresses) or 'no listener of its own'}", file=sys.stderr, flush=True)
     if writes_conn is not None:
-        threading.Thread(target=serve_writes, args=(writes_conn, KVSender(transfer, layout)),
+        import torch
+        device = kv_cache.device
+        sync = None if device.type == "cpu" else (lambda: torch.accelerator.synchronize(device))
+        threading.Thread(target=serve_writes, args=(writes_conn, KVSender(transfer, layout), sync),
                          name="rank-writes", daemon=True).start()
     return common_pb2.KVRank(transfer_endpoint=transfer.endpoint, layout=layout.to_proto()).SerializeToString()
 

@@ -129,3 +129,26 @@ def test_a_prefill_node_of_lower_tp_is_refused_at_routing_and_the_decode_node_pr
     assert ("prefill node p1 cannot push into decode node d2: prefill TP 1 < decode TP 2: a prefill rank "
             "would split its KV heads over decode ranks") in log
     assert_no_blocks_in_use(mesh)
+
+
+def test_the_grpc_transfer_carries_every_rank_s_kv_too(model, offline, tmp_path_factory):
+    """prefill TP 2 -> decode TP 2 over the `grpc` transfer (hosts without Mooncake): each
+    worker rank serves KVTransfer on its own port with the mesh's credentials and writes
+    into its peer rank's."""
+    raw = mesh_dict(model, (("prefill", "p2"), ("decode", "d2")), transfer="grpc", policy="least_load",
+                    local_prefill_max_tokens=0)
+    for node in raw["nodes"]:
+        node["engine"] = {"tensor_parallel_size": 2}
+    m = launch(tmp_path_factory.mktemp("tp-pd-grpc"), raw)
+    try:
+        found = members(m)
+        assert [r.layout.num_kv_heads for r in found["d2"].kv_ranks] == [2, 2]
+        seed = PHASES["p2", "d2"]
+        results = asyncio.run(run_phase(m.gateway_address, seed))
+        assert all(msgs[0].prefill_timing.remote for _, _, msgs in results)
+        assert_matches_offline(results, offline[seed])
+        svc = m.services["p2"]
+        assert engine_stats(svc.address, svc.role).rank_bytes_written > 0
+        assert_no_blocks_in_use(m)
+    finally:
+        m.stop()
