@@ -93,9 +93,10 @@ def mesh_push(model: Path, prompt_tokens: int, requests: int) -> dict:
 
     from bench_mesh import use_client_key
     from common.config import mesh_config_from_dict
-    from protos.pdmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, meta_pb2, meta_pb2_grpc
+    from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc, meta_pb2, meta_pb2_grpc
     from services.cli.launcher import MeshProcesses
-    from services.security.client_auth import gateway_channel
+    from services.security.client_auth import gateway_channel, mesh_channel
+    from services.security.credentials import load_credentials
 
     import tempfile
     work = Path(tempfile.mkdtemp(prefix="pdmesh-tp-push-"))
@@ -121,6 +122,12 @@ def mesh_push(model: Path, prompt_tokens: int, requests: int) -> dict:
             async for msg in gateway_pb2_grpc.GatewayStub(ch).Generate(req):
                 return time.perf_counter() - start, msg.prefill_timing
 
+    creds = load_credentials(mesh.mesh.security, environ=mesh.environ, require_identity=False)
+
+    def p2_stats():
+        with mesh_channel(mesh.services["p2"].address, creds, sync=True) as ch:
+            return engine_pb2_grpc.PrefillStub(ch).GetEngineStats(engine_pb2.EngineStatsRequest(), timeout=5)
+
     try:
         for prefill, decode in MESH_PAIRS:
             with mesh.admin_channel() as ch:
@@ -130,13 +137,18 @@ def mesh_push(model: Path, prompt_tokens: int, requests: int) -> dict:
                         admin.UndrainNode(meta_pb2.UndrainNodeRequest(node_id=node_id), timeout=5)
                     else:
                         admin.DrainNode(meta_pb2.DrainNodeRequest(node_id=node_id), timeout=5)
+            before = p2_stats()
             runs = [asyncio.run(one([rng.randrange(3, 600) for _ in range(prompt_tokens)]))
                     for _ in range(requests + 1)][1:]      # the first warms the pair up
+            after = p2_stats()
             assert all(t.remote for _, t in runs), f"{prefill} -> {decode}: not every prefill was remote"
             out[f"{prefill}->{decode}"] = {
                 "ttft_ms": statistics.median(r[0] for r in runs) * 1e3,
                 "compute_ms": statistics.median(r[1].compute_ms for r in runs),
-                "transfer_ms": statistics.median(r[1].transfer_ms for r in runs)}
+                "transfer_ms": statistics.median(r[1].transfer_ms for r in runs),
+                # which path p2 took: its worker rank's own writes, blocks staged via rank 0
+                "p2_rank_bytes_written": after.rank_bytes_written - before.rank_bytes_written,
+                "p2_kv_blocks_staged": after.kv_blocks_staged - before.kv_blocks_staged}
             print(f"{prefill} -> {decode}: " + ", ".join(f"{k} {v:.1f}" for k, v in out[f'{prefill}->{decode}'].items()),
                   flush=True)
     finally:

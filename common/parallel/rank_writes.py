@@ -81,6 +81,9 @@ def serve_writes(conn, sender, sync=None) -> None:
         try:
             if sync is not None:
                 sync()
+                if time.monotonic() > order.not_after:   # the wait outlasted the start deadline
+                    raise ValueError("the write's start deadline passed while the device finished; "
+                                     "nothing was written")
             nbytes = sender.send_blocks(order.peer, order.dst_layout, order.src_block_ids, order.dst_block_ids,
                                         layers=order.layers, last_block_tokens=order.last_block_tokens,
                                         timeout_s=order.timeout_s, head_offset=order.head_offset)

@@ -85,21 +85,22 @@ class EngineNode:
         self.llm_engine = LLMEngine(engine_config, rank_transfer=(
             functools.partial(node_transfer, mesh, node.advertised_host) if tp_size > 1 else None))
         self.engine = AsyncEngine(self.llm_engine)
+        tp = self.llm_engine.tp
         try:
             self.transfer = node_transfer(mesh, node.advertised_host)
             kv = self.llm_engine.kv_cache
             self.transfer.register(kv.data_ptr(), kv.numel() * kv.element_size())
+            self.layout = KVLayout.of_tensor(kv)
+            self.kv_ranks = [common_pb2.KVRank(transfer_endpoint=self.transfer.endpoint,
+                                               layout=self.layout.to_proto())]
+            self.kv_ranks += [common_pb2.KVRank.FromString(raw) for raw in (tp.kv_ranks if tp is not None else ())]
+            self.rank_layouts = [KVLayout.from_proto(r.layout) for r in self.kv_ranks]
+            self.staging = self._staging() if tp is not None and node.role == "prefill" else None
         except BaseException:   # no step thread or rank left behind by a node that did not start
             self.llm_engine.close(graceful=self.engine.shutdown())
             raise
-        self.layout = KVLayout.of_tensor(kv)
         self.sender = KVSender(self.transfer, self.layout)
-        tp = self.llm_engine.tp
-        self.kv_ranks = [common_pb2.KVRank(transfer_endpoint=self.transfer.endpoint, layout=self.layout.to_proto())]
-        self.kv_ranks += [common_pb2.KVRank.FromString(raw) for raw in (tp.kv_ranks if tp is not None else ())]
         self.rank_writers = tp.writers if tp is not None else None
-        self.rank_layouts = [KVLayout.from_proto(r.layout) for r in self.kv_ranks]
-        self.staging = self._staging() if tp is not None and node.role == "prefill" else None
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{node.node_id}-kv")
         self.kv_store: KVStoreClient | None = None
         if mesh.kv_store is not None and node.role == "prefill" and tp_size > 1:
@@ -118,20 +119,22 @@ class EngineNode:
 
     def _staging(self) -> Staging:
         """Registered staging blocks holding every KV head, for pushes into decode nodes of
-        a smaller TP size (kv_destination.StagedWrites): enough for two full prefill chunks,
-        at most STAGING_MAX_BYTES."""
+        a smaller TP size (kv_destination.StagedWrites): two full prefill chunks, cut to
+        STAGING_MAX_BYTES but never below one chunk."""
         kv = self.llm_engine.kv_cache
         L, _, _, bs, heads, dim = kv.shape
         heads *= len(self.kv_ranks)
         per_block = L * 2 * bs * heads * dim * kv.element_size()
         chunk_blocks = -(-self.llm_engine.config.max_num_batched_tokens // bs) + 1
-        num_blocks = max(1, min(STAGING_MAX_BYTES // per_block, 2 * chunk_blocks))
+        num_blocks = max(chunk_blocks, min(STAGING_MAX_BYTES // per_block, 2 * chunk_blocks))
         buffer = torch.zeros(num_blocks * per_block // kv.element_size(), dtype=kv.dtype, device=kv.device)
         self.transfer.register(buffer.data_ptr(), buffer.numel() * buffer.element_size())
         tp = self.llm_engine.tp
+        device = kv.device
         return Staging(StagingPool(buffer, L, num_blocks, bs, heads, dim),
                        gather=lambda ids: tp.gather_kv(kv, ids),
-                       sender_for=lambda cache: KVSender(self.transfer, KVLayout.of_tensor(cache)))
+                       sender_for=lambda cache: KVSender(self.transfer, KVLayout.of_tensor(cache)),
+                       sync=None if device.type == "cpu" else (lambda: torch.accelerator.synchronize(device)))
 
     def node_info(self) -> common_pb2.NodeInfo:
         stats = self.engine.snapshot()

@@ -23,6 +23,7 @@ quarantined on the decode node (unsettled), so what it writes there is never use
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +34,8 @@ from common.transfer.base import TransferError
 from common.transfer.kv_writes import KVSender
 from common.transfer.layout import KVLayout
 from common.transfer.tp_pairing import rank_writes
+
+log = logging.getLogger("pdmesh.prefill")
 
 
 class OneRankWrites:
@@ -122,6 +125,7 @@ class Staging:
     pool: StagingPool
     gather: Callable[[list[int]], list]            # block ids -> every rank's KV of them
     sender_for: Callable[[object], KVSender]       # a registered staging cache -> its sender
+    sync: Callable[[], None] | None = None         # on a device: wait for the staging copies
 
 
 def destination_writes(sender: KVSender, writers: RankWriters | None, own: Sequence[KVLayout],
@@ -140,53 +144,66 @@ def destination_writes(sender: KVSender, writers: RankWriters | None, own: Seque
     slices = RankPairWrites(sender, writers, targets)
     if staging is None or len(own) == len(dest):
         return slices
-    return StagedWrites(staging.gather, staging.sender_for, staging.pool, slices, dest, len(own) // len(dest))
+    return StagedWrites(staging, slices, dest, len(own) // len(dest))
 
 
 class StagingPool:
-    """Registered staging blocks of every KV head, for pushes that would otherwise write
-    head slices: [num_layers, 2, num_blocks, block_size, all heads, head_dim] worth of
-    bytes, viewed per decode TP size d as d caches of the decode ranks' heads. A batch
-    takes a run of consecutive blocks (one write per layer and K/V for the run) and gives
-    it back once its write ended settled. Thread-safe."""
+    """Registered staging blocks of every KV head (all layers, K and V), for pushes that
+    would otherwise write head slices. A batch takes runs of consecutive free blocks;
+    each run is its own bytes, viewed for a decode node of TP d as d caches
+    [num_layers, 2, run length, block_size, heads / d, head_dim] (one write per layer and
+    K/V per decode rank), so batches for decode nodes of different TP sizes never share
+    bytes. A run comes back once its writes ended settled, or a transfer bound after an
+    unsettled end (give_back_later). Thread-safe."""
 
     def __init__(self, buffer, num_layers: int, num_blocks: int, block_size: int, num_heads: int, head_dim: int):
         self.buffer = buffer                        # flat, registered with the transfer engine
-        self.shape = (num_layers, 2, num_blocks, block_size, num_heads, head_dim)
+        self.block_shape = (num_layers, 2, block_size, num_heads, head_dim)
+        self.block_elems = num_layers * 2 * block_size * num_heads * head_dim
         self.num_blocks = num_blocks
         self._free = [True] * num_blocks
         self._lock = threading.Lock()
         self.num_staged = 0        # blocks staged so far (EngineStats.kv_blocks_staged)
+        self.num_unstaged = 0      # blocks written as head slices: no free staging block
 
-    def caches(self, d: int) -> list:
-        """The d decode ranks' staging caches [L, 2, N, block_size, heads / d, head_dim]."""
-        L, two, n, bs, h, dim = self.shape
-        return list(self.buffer.view(d, L, two, n, bs, h // d, dim).unbind(0))
-
-    def take(self, n: int) -> int | None:
-        """The first of n consecutive free blocks, now taken; None when there is no such run."""
+    def take(self, n: int) -> tuple[int, int] | None:
+        """(start, length) of the first run of free blocks, at most n long, now taken;
+        None when every block is taken."""
         with self._lock:
-            run = 0
-            for i, free in enumerate(self._free):
-                run = run + 1 if free else 0
-                if run == n:
-                    start = i - n + 1
-                    self._free[start:i + 1] = [False] * n
-                    self.num_staged += n
-                    return start
+            for start, free in enumerate(self._free):
+                if free:
+                    end = start
+                    while end < self.num_blocks and end - start < n and self._free[end]:
+                        end += 1
+                    self._free[start:end] = [False] * (end - start)
+                    return start, end - start
         return None
 
-    def give_back(self, start: int, n: int) -> None:
+    def caches(self, start: int, length: int, d: int) -> list:
+        """The d decode ranks' staging caches of run [start, start + length)."""
+        L, two, bs, h, dim = self.block_shape
+        run = self.buffer[start * self.block_elems:(start + length) * self.block_elems]
+        return list(run.view(d, L, two, length, bs, h // d, dim).unbind(0))
+
+    def give_back(self, start: int, length: int) -> None:
         with self._lock:
-            self._free[start:start + n] = [True] * n
+            self._free[start:start + length] = [True] * length
+
+    def give_back_later(self, start: int, length: int, delay_s: float) -> None:
+        """After an unsettled write: the engine may read the run for a while yet."""
+        timer = threading.Timer(delay_s, self.give_back, (start, length))
+        timer.daemon = True
+        timer.start()
 
 
 @dataclass(frozen=True)
 class Staged:
-    """A batch gathered into staging blocks [start, start + n)."""
+    """A batch of source blocks: src[:len] of them gathered into staging runs
+    (start, length) in order, the rest (`rest`, when the pool ran out) left for head-slice
+    writes."""
 
-    start: int
-    n: int
+    runs: tuple[tuple[int, int], ...]
+    rest: tuple[int, ...]
 
 
 class StagedWrites:
@@ -194,58 +211,86 @@ class StagedWrites:
     per token slot: 256 per block in bench/transfer.py --tp, 0.03x the bandwidth), rank 0
     gathers every rank's KV of the batch's blocks between steps (one collective,
     common/parallel/executor.gather_kv), assembles each decode rank's heads into staging
-    blocks and writes them as whole blocks: one write per layer and K/V per decode rank.
-    stage() runs on the step thread after the step (KVPusher in chunk mode: a gather
-    cannot run inside the forward pass); write() on an executor thread. When the pool has
-    no run of free blocks left, the batch falls back to the head-slice writes."""
+    blocks and writes them as whole blocks: one write per layer and K/V per decode rank
+    and staging run, the decode ranks one after another. stage() runs on the step thread
+    after the step (KVPusher in chunk mode: a gather cannot run inside the forward pass);
+    write() on an executor thread. Blocks the pool has no room for go as head slices
+    (counted: StagingPool.num_unstaged, and logged once)."""
 
     staged = True
 
-    def __init__(self, gather, sender_for, pool: StagingPool, slices: RankPairWrites,
-                 dest: Sequence[tuple[str, KVLayout]], k: int):
-        """gather(block_ids) -> every rank's [L, 2, n, bs, h_p, D] (rank 0 first);
-        sender_for(cache) -> a KVSender over that registered staging cache."""
-        self.gather, self.pool, self.slices, self.dest, self.k = gather, pool, slices, dest, k
-        self.caches = pool.caches(len(dest))
-        self.senders = [sender_for(c) for c in self.caches]
+    def __init__(self, staging: Staging, slices: RankPairWrites, dest: Sequence[tuple[str, KVLayout]], k: int):
+        self.staging, self.pool, self.slices, self.dest, self.k = staging, staging.pool, slices, dest, k
 
-    def stage(self, src: Sequence[int]):
-        """Step thread: src gathered into staging blocks (a Staged), or src itself when the
-        pool is full."""
-        start = self.pool.take(len(src))
-        if start is None:
-            return src
-        try:
-            parts = self.gather(list(src))
-        except BaseException:
-            self.pool.give_back(start, len(src))
-            raise
-        for rank, part in enumerate(parts):
-            j, i = divmod(rank, self.k)
-            h = part.shape[4]
-            self.caches[j][:, :, start:start + len(src), :, i * h:(i + 1) * h].copy_(part)
-        return Staged(start, len(src))
-
-    def discard(self, staged) -> None:
-        """A staged batch that will not be written."""
-        if isinstance(staged, Staged):
-            self.pool.give_back(staged.start, staged.n)
-
-    def write(self, src, dst: Sequence[int], layers: tuple[int, ...] | None,
-              last_block_tokens: int | None, timeout_s: float) -> int:
-        if not isinstance(src, Staged):
-            return self.slices.write(src, dst, layers, last_block_tokens, timeout_s)
-        ids = list(range(src.start, src.start + src.n))
-        errors: list[TransferError] = []
-        total = 0
-        for sender, (peer, layout) in zip(self.senders, self.dest):
+    def stage(self, src: Sequence[int]) -> Staged:
+        """Step thread: src gathered into staging runs, as many as the pool has room for."""
+        runs: list[tuple[int, int]] = []
+        taken = 0
+        while taken < len(src) and (run := self.pool.take(len(src) - taken)) is not None:
+            runs.append(run)
+            taken += run[1]
+        if taken < len(src):
+            self._unstaged(len(src) - taken)
+        if runs:
             try:
-                total += sender.send_blocks(peer, layout, ids, dst, layers=layers,
-                                            last_block_tokens=last_block_tokens, timeout_s=timeout_s)
+                parts = self.staging.gather(list(src[:taken]))
+                at = 0
+                for start, length in runs:
+                    caches = self.pool.caches(start, length, len(self.dest))
+                    for rank, part in enumerate(parts):
+                        j, i = divmod(rank, self.k)
+                        h = part.shape[4]
+                        caches[j][:, :, :, :, i * h:(i + 1) * h].copy_(part[:, :, at:at + length])
+                    at += length
+                if self.staging.sync is not None:
+                    self.staging.sync()    # the copies ran on the device's stream; the engine reads memory
+            except BaseException:
+                for run in runs:
+                    self.pool.give_back(*run)
+                raise
+            with self.pool._lock:
+                self.pool.num_staged += taken
+        return Staged(tuple(runs), tuple(src[taken:]))
+
+    def _unstaged(self, n: int) -> None:
+        with self.pool._lock:
+            first = self.pool.num_unstaged == 0
+            self.pool.num_unstaged += n
+        if first:
+            log.warning("KV staging is full: %d block(s) pushed as head slices (one write per token slot); "
+                        "more staging memory would keep them whole (STAGING_MAX_BYTES)", n)
+
+    def discard(self, staged: Staged) -> None:
+        """A staged batch that will not be written."""
+        for run in staged.runs:
+            self.pool.give_back(*run)
+
+    def write(self, staged: Staged, dst: Sequence[int], layers: tuple[int, ...] | None,
+              last_block_tokens: int | None, timeout_s: float) -> int:
+        errors: list[TransferError] = []
+        total, at = 0, 0
+        for start, length in staged.runs:
+            last = last_block_tokens if at + length == len(dst) else None
+            caches = self.pool.caches(start, length, len(self.dest))
+            run_errors = []
+            for cache, (peer, layout) in zip(caches, self.dest):
+                try:
+                    total += self.staging.sender_for(cache).send_blocks(
+                        peer, layout, range(length), dst[at:at + length], layers=layers,
+                        last_block_tokens=last, timeout_s=timeout_s)
+                except Exception as e:
+                    run_errors.append(as_transfer_error(e))
+            if any(e.unsettled for e in run_errors):   # the engine may still read the run
+                self.pool.give_back_later(start, length, 2 * timeout_s)
+            else:
+                self.pool.give_back(start, length)
+            errors += run_errors
+            at += length
+        if staged.rest:
+            try:
+                total += self.slices.write(staged.rest, dst[at:], layers, last_block_tokens, timeout_s)
             except Exception as e:
                 errors.append(as_transfer_error(e))
-        if not any(e.unsettled for e in errors):   # nothing can still read the staging blocks
-            self.discard(src)
         if errors:
             raise TransferError("; ".join(dict.fromkeys(str(e) for e in errors)),
                                 unsettled=any(e.unsettled for e in errors))

@@ -122,19 +122,21 @@ class KVPusher:
 
     def _submit(self, src: list[int], dst: list[int], last_tokens: int | None,
                 layers: tuple[int, ...] | None) -> None:
-        """Hand one write to the executor, unless stopped or past the deadline."""
+        """Hand one write to the executor, unless stopped or past the deadline. A staged
+        batch is gathered (a collective of the node's ranks, milliseconds) outside the
+        lock, which the event loop takes too."""
+        if not self._may_start():
+            return
+        if self._staged:    # gathered between steps into whole blocks (kv_destination.StagedWrites)
+            try:
+                src = self.destination.stage(src)
+            except Exception as e:   # the node's ranks failed: nothing was written
+                self.error = self.error or TransferError(f"the KV push could not gather its blocks: {e}")
+                return
         with self._lock:
             if self._stopped:
+                self._discard(src)
                 return
-            if self.deadline - time.monotonic() <= 0:
-                self.error = self.error or TransferError("the request's deadline passed before its KV was sent")
-                return
-            if self._staged:    # gathered between steps into whole blocks (kv_destination.StagedWrites)
-                try:
-                    src = self.destination.stage(src)
-                except Exception as e:   # the node's ranks failed: nothing was written
-                    self.error = self.error or TransferError(f"the KV push could not gather its blocks: {e}")
-                    return
             try:
                 future = self.executor.submit(self._send, src, dst, last_tokens, layers)
             except RuntimeError as e:   # the executor is shut down: the node is stopping
@@ -143,6 +145,15 @@ class KVPusher:
                 return
             self._submitted.append(future)
             self.num_writes += 1
+
+    def _may_start(self) -> bool:
+        with self._lock:
+            if self._stopped:
+                return False
+            if self.deadline - time.monotonic() <= 0:
+                self.error = self.error or TransferError("the request's deadline passed before its KV was sent")
+                return False
+            return True
 
     def _discard(self, src) -> None:
         if self._staged:

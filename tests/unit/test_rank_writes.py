@@ -161,42 +161,100 @@ def test_a_sharded_write_waits_for_every_rank_and_raises_once_all_ended():
     writers.close()
 
 
+def staged_fixture(pool_blocks: int):
+    """Two prefill ranks of 2 heads (random KV); a 4-head destination cache (-1) and a
+    2-rank destination of 2 heads each (-1), each in its own fake transfer; a staging pool
+    of pool_blocks blocks registered with the sender's."""
+    gen = torch.Generator().manual_seed(0)
+    ranks = [torch.randn(2, 2, 8, 4, 2, 3, generator=gen) for _ in range(2)]
+    src_t = FakeTransfer()
+    dests = {"d1": [torch.full((2, 2, 8, 4, 4, 3), -1.0)],
+             "d2": [torch.full((2, 2, 8, 4, 2, 3), -1.0) for _ in range(2)]}
+    endpoints = {}
+    for name, caches in dests.items():
+        endpoints[name] = []
+        for cache in caches:
+            t = FakeTransfer()
+            t.register(cache.data_ptr(), cache.numel() * cache.element_size())
+            endpoints[name].append((t.endpoint, KVLayout.of_tensor(cache)))
+    buffer = torch.zeros(pool_blocks * 2 * 2 * 4 * 4 * 3)
+    src_t.register(buffer.data_ptr(), buffer.numel() * buffer.element_size())
+    pool = StagingPool(buffer, num_layers=2, num_blocks=pool_blocks, block_size=4, num_heads=4, head_dim=3)
+    staging = Staging(pool, gather=lambda ids: [r[:, :, ids] for r in ranks],
+                      sender_for=lambda cache: KVSender(src_t, KVLayout.of_tensor(cache)))
+    return ranks, dests, endpoints, pool, staging, src_t
+
+
+class Slices:
+    """The head-slice fallback, recorded."""
+
+    def __init__(self):
+        self.calls = []
+
+    def write(self, src, dst, layers, last, timeout_s):
+        self.calls.append((tuple(src), tuple(dst), last))
+        return 7
+
+
 def test_staged_writes_assemble_every_rank_s_heads_into_whole_blocks_of_the_decode_rank():
     """Prefill TP 2 -> decode TP 1: rank 0 gathers both ranks' 2 heads of the batch into
     staging blocks and pushes them whole (one write per layer and K/V); the decode cache's
     blocks equal both ranks' caches side by side, the partial last block only up to its
-    tokens; a full pool falls back to the head-slice writes."""
-    gen = torch.Generator().manual_seed(0)
-    ranks = [torch.randn(2, 2, 8, 4, 2, 3, generator=gen) for _ in range(2)]
-    dest = torch.full((2, 2, 8, 4, 4, 3), -1.0)
-    src_t, dst_t = FakeTransfer(), FakeTransfer()
-    dst_t.register(dest.data_ptr(), dest.numel() * dest.element_size())
-    buffer = torch.zeros(2 * 2 * 3 * 4 * 4 * 3)          # 3 staging blocks of all 4 heads
-    src_t.register(buffer.data_ptr(), buffer.numel() * buffer.element_size())
-    pool = StagingPool(buffer, num_layers=2, num_blocks=3, block_size=4, num_heads=4, head_dim=3)
-    fallback = []
-
-    class Slices:
-        def write(self, *args):
-            fallback.append(args)
-            return 7
-
-    staging = Staging(pool, gather=lambda ids: [r[:, :, ids] for r in ranks],
-                      sender_for=lambda cache: KVSender(src_t, KVLayout.of_tensor(cache)))
-    writes = StagedWrites(staging.gather, staging.sender_for, pool, Slices(),
-                          [(dst_t.endpoint, KVLayout.of_tensor(dest))], k=2)
+    tokens."""
+    ranks, dests, endpoints, pool, staging, src_t = staged_fixture(3)
+    writes = StagedWrites(staging, Slices(), endpoints["d1"], k=2)
     sends = []
     real = src_t.write
     src_t.write = lambda peer, batch, timeout_s=None: sends.append(len(batch)) or real(peer, batch, timeout_s)
     batch = writes.stage([5, 6])
-    assert batch == Staged(0, 2)
+    assert batch == Staged(((0, 2),), ())
     assert writes.write(batch, [1, 2], None, 3, 1.0) == (4 + 3) * 4 * 3 * 4 * 2 * 2
     assert sends == [4], "one write per layer and K/V (one run of 2 blocks)"
+    [dest] = dests["d1"]
     want = torch.cat(ranks, dim=4)
     assert torch.equal(dest[:, :, 1], want[:, :, 5])
     assert torch.equal(dest[:, :, 2, :3], want[:, :, 6, :3])
     assert (dest[:, :, 2, 3] == -1).all(), "the partial last block's other slots untouched"
     assert (dest[:, :, [0, 3, 4, 5, 6, 7]] == -1).all()
-    assert pool.take(3) == 0, "the staging blocks came back once the write ended"
-    assert writes.stage([1]) == [1] and writes.write([1], [0], None, None, 1.0) == 7   # pool full
-    assert len(fallback) == 1
+    assert pool.take(3) == (0, 3), "the staging blocks came back once the write ended"
+    assert pool.num_staged == 2
+
+
+def test_batches_for_decode_nodes_of_different_tp_sizes_never_share_staging_bytes():
+    """A TP 1 and a TP 2 destination staged at once (before either is written) each get
+    exactly their heads: d2's rank 0 heads 0-1, rank 1 heads 2-3."""
+    ranks, dests, endpoints, pool, staging, _ = staged_fixture(4)
+    to_d1 = StagedWrites(staging, Slices(), endpoints["d1"], k=2)
+    to_d2 = StagedWrites(staging, Slices(), endpoints["d2"], k=1)
+    a, b = to_d1.stage([0, 1]), to_d2.stage([2, 3])
+    assert a.runs == ((0, 2),) and b.runs == ((2, 2),)
+    to_d1.write(a, [4, 5], None, None, 1.0)
+    to_d2.write(b, [6, 7], None, None, 1.0)
+    want = torch.cat(ranks, dim=4)
+    assert torch.equal(dests["d1"][0][:, :, [4, 5]], want[:, :, [0, 1]])
+    assert torch.equal(dests["d2"][0][:, :, [6, 7]], ranks[0][:, :, [2, 3]])
+    assert torch.equal(dests["d2"][1][:, :, [6, 7]], ranks[1][:, :, [2, 3]])
+
+
+def test_what_the_pool_has_no_room_for_goes_as_head_slices_and_unsettled_runs_come_back_later():
+    ranks, dests, endpoints, pool, staging, src_t = staged_fixture(2)
+    slices = Slices()
+    writes = StagedWrites(staging, slices, endpoints["d1"], k=2)
+    batch = writes.stage([1, 2, 3])
+    assert batch == Staged(((0, 2),), (3,)) and pool.num_unstaged == 1
+    assert writes.write(batch, [4, 5, 6], None, 2, 1.0) == 2 * 4 * 4 * 3 * 4 * 2 * 2 + 7
+    assert slices.calls == [((3,), (6,), 2)], "the rest, with the partial last block's token count"
+    want = torch.cat(ranks, dim=4)
+    assert torch.equal(dests["d1"][0][:, :, [4, 5]], want[:, :, [1, 2]])
+
+    def unsettled(*args, **kwargs):
+        raise TransferError("peer stalled", unsettled=True)
+
+    src_t.write = unsettled
+    batch = writes.stage([1])
+    with pytest.raises(TransferError, match="peer stalled") as e:
+        writes.write(batch, [0], None, None, 0.05)
+    assert e.value.unsettled
+    assert pool.take(2) == (1, 1), "the unsettled run is held back for twice the timeout"
+    time.sleep(0.3)
+    assert pool.take(1) == (0, 1), "then given back"
