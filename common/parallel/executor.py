@@ -176,15 +176,9 @@ class TPExecutor:
         """Send the step's inputs to every worker, then run rank 0's forward inside (its
         collectives meet the workers'). Any error inside ends the group: RuntimeError,
         and the same one for every later step."""
-        if self._error is not None:
-            raise self._error
-        if self._dead(timeout=0):
-            raise self._fail(None)
+        self._check_usable()
         try:
-            wire = pack(inputs)
-            self.group.broadcast(wire[:INLINE_LEN])
-            if len(wire) > INLINE_LEN:
-                self.group.broadcast(wire[HEADER_LEN:])
+            self._send(pack(inputs))
             yield
         except Exception as e:
             raise self._fail(e) from e
@@ -193,18 +187,24 @@ class TPExecutor:
         """Between steps, on the thread that steps: every rank's KV of these blocks (all
         layers, K and V: [L, 2, n, block_size, heads, head_dim] each), rank 0 first. Any
         error ends the group, as in step()."""
+        self._check_usable()
+        try:
+            self._send(gather_message(block_ids))
+            return self.group.gather(kv_cache[:, :, block_ids])
+        except Exception as e:
+            raise self._fail(e) from e
+
+    def _check_usable(self) -> None:
         if self._error is not None:
             raise self._error
         if self._dead(timeout=0):
             raise self._fail(None)
-        try:
-            wire = gather_message(block_ids)
-            self.group.broadcast(wire[:INLINE_LEN])
-            if len(wire) > INLINE_LEN:
-                self.group.broadcast(wire[HEADER_LEN:])
-            return self.group.gather(kv_cache[:, :, block_ids])
-        except Exception as e:
-            raise self._fail(e) from e
+
+    def _send(self, wire) -> None:
+        """A message to every worker: one broadcast, or the header and then the payload."""
+        self.group.broadcast(wire[:INLINE_LEN])
+        if len(wire) > INLINE_LEN:
+            self.group.broadcast(wire[HEADER_LEN:])
 
     def failure(self) -> str | None:
         """Why the group cannot step any more (a worker exited, an earlier step failed,

@@ -103,10 +103,15 @@ class RankPairWrites:
                 total += self.writers.wait(future, order)
             except Exception as e:
                 errors.append(as_transfer_error(e))
-        if errors:
-            raise TransferError("; ".join(dict.fromkeys(str(e) for e in errors)),
-                                unsettled=any(e.unsettled for e in errors))
+        raise_joined(errors)
         return total
+
+
+def raise_joined(errors: list[TransferError]) -> None:
+    """One TransferError for every rank's (unsettled when any is); nothing when none."""
+    if errors:
+        raise TransferError("; ".join(dict.fromkeys(str(e) for e in errors)),
+                            unsettled=any(e.unsettled for e in errors))
 
 
 def as_transfer_error(e: Exception) -> TransferError:
@@ -291,7 +296,5 @@ class StagedWrites:
                 total += self.slices.write(staged.rest, dst[at:], layers, last_block_tokens, timeout_s)
             except Exception as e:
                 errors.append(as_transfer_error(e))
-        if errors:
-            raise TransferError("; ".join(dict.fromkeys(str(e) for e in errors)),
-                                unsettled=any(e.unsettled for e in errors))
+        raise_joined(errors)
         return total
