@@ -122,7 +122,6 @@ class TPExecutor:
         from_main = threading.current_thread() is threading.main_thread()
         self.procs: list = []
         self._finalizer = weakref.finalize(self, _reap, self.procs)   # the same list, filled below
-        self.transfer_factory = transfer_factory
         self.writers: RankWriters | None = None
         self.kv_ranks: list[bytes] = []      # serialized KVRank of ranks 1.. (with transfer)
         conns = []
@@ -161,7 +160,7 @@ class TPExecutor:
                                            f"tensor-parallel workers not ready after {STARTUP_TIMEOUT_S:.0f}s")
                 self.close()
                 raise self._error
-        if self.transfer_factory is not None:
+        if self.writers is not None:
             self.kv_ranks = [self.store.get(f"{self.group_name}/kv/{r}") for r in range(1, self.size)]
         try:
             self.group = TPGroup(self.store, 0, self.size, self.device, COLLECTIVE_TIMEOUT_S,

@@ -58,7 +58,12 @@ def pack(inputs: StepInputs) -> torch.Tensor:
                + inputs.query_lens + inputs.kv_lens + pre + inputs.sample_rows)
     header = [OP_STEP, len(inputs.input_ids), len(inputs.decode_lens), w_dec,
               len(inputs.query_lens), w_pre, len(inputs.sample_rows), len(payload)]
-    values = torch.tensor(header + payload, dtype=torch.int64)
+    return _wire(header + payload)
+
+
+def _wire(values: list[int]) -> torch.Tensor:
+    """header + payload as int64, padded to INLINE_LEN when shorter."""
+    values = torch.tensor(values, dtype=torch.int64)
     if len(values) >= INLINE_LEN:
         return values
     wire = torch.zeros(INLINE_LEN, dtype=torch.int64)
@@ -77,12 +82,7 @@ class GatherKV:
 
 def gather_message(block_ids: list[int]) -> torch.Tensor:
     """The wire tensor of a GatherKV: header [OP_GATHER_KV, 0 ... , len] + the ids."""
-    values = torch.tensor([OP_GATHER_KV, 0, 0, 0, 0, 0, 0, len(block_ids), *block_ids], dtype=torch.int64)
-    if len(values) >= INLINE_LEN:
-        return values
-    wire = torch.zeros(INLINE_LEN, dtype=torch.int64)
-    wire[:len(values)] = values
-    return wire
+    return _wire([OP_GATHER_KV, 0, 0, 0, 0, 0, 0, len(block_ids), *block_ids])
 
 
 def stop_message() -> torch.Tensor:

@@ -52,16 +52,10 @@ def _check_ids(name: str, block_ids: Sequence[int], num_blocks: int) -> None:
         raise ValueError(f"{name} {bad[:8]} outside [0, {num_blocks})")
 
 
-def plan_block_writes(src: KVLayout, dst: KVLayout, src_block_ids: Sequence[int],
-                      dst_block_ids: Sequence[int], layers: Sequence[int] | None = None,
-                      last_block_tokens: int | None = None) -> list[tuple[int, int, int]]:
-    """(local_address, remote_address, length) writes copying src blocks into dst blocks for
-    the given layers (default: all). last_block_tokens: copy only the first that many token
-    slots of the last block (a prompt's partial tail: the receiver writes the rest itself,
-    so the rest must never be overwritten). Pure; ValueError on incompatible layouts,
-    unequal id counts, ids or layers out of range, a destination id given twice, or
-    last_block_tokens outside [1, block_size]."""
-    src.check_compatible(dst)
+def _checked(src: KVLayout, dst: KVLayout, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+             layers: Sequence[int] | None, last_block_tokens: int | None) -> Sequence[int]:
+    """The layers to copy (default: all); ValueError on unequal id counts, ids or layers
+    out of range, a destination id given twice, or last_block_tokens outside [1, block_size]."""
     if len(src_block_ids) != len(dst_block_ids):
         raise ValueError(f"{len(src_block_ids)} source block ids but {len(dst_block_ids)} destination ids")
     _check_ids("src_block_ids", src_block_ids, src.num_blocks)
@@ -72,11 +66,25 @@ def plan_block_writes(src: KVLayout, dst: KVLayout, src_block_ids: Sequence[int]
     bad_layers = [layer for layer in layers if not 0 <= layer < src.num_layers]
     if bad_layers:
         raise ValueError(f"layers {bad_layers} outside [0, {src.num_layers})")
+    if last_block_tokens is not None and not 1 <= last_block_tokens <= src.block_size:
+        raise ValueError(f"last_block_tokens must be in [1, {src.block_size}], got {last_block_tokens}")
+    return layers
+
+
+def plan_block_writes(src: KVLayout, dst: KVLayout, src_block_ids: Sequence[int],
+                      dst_block_ids: Sequence[int], layers: Sequence[int] | None = None,
+                      last_block_tokens: int | None = None) -> list[tuple[int, int, int]]:
+    """(local_address, remote_address, length) writes copying src blocks into dst blocks for
+    the given layers (default: all). last_block_tokens: copy only the first that many token
+    slots of the last block (a prompt's partial tail: the receiver writes the rest itself,
+    so the rest must never be overwritten). Pure; ValueError on incompatible layouts,
+    unequal id counts, ids or layers out of range, a destination id given twice, or
+    last_block_tokens outside [1, block_size]."""
+    src.check_compatible(dst)
+    layers = _checked(src, dst, src_block_ids, dst_block_ids, layers, last_block_tokens)
     runs = block_runs(src_block_ids, dst_block_ids)
     short = 0  # bytes left out at the end of the last run
     if last_block_tokens is not None:
-        if not 1 <= last_block_tokens <= src.block_size:
-            raise ValueError(f"last_block_tokens must be in [1, {src.block_size}], got {last_block_tokens}")
         short = (src.block_size - last_block_tokens) * (src.block_bytes // src.block_size)
     last = len(runs) - 1
     return [(src.block_address(layer, kv, s), dst.block_address(layer, kv, d),
@@ -100,17 +108,10 @@ def plan_head_slice_writes(src: KVLayout, dst: KVLayout, head_offset: int, src_b
     if src.num_kv_heads == dst.num_kv_heads and head_offset == 0:
         return plan_block_writes(src, dst, src_block_ids, dst_block_ids, layers, last_block_tokens)
     src.check_compatible(dst, same_heads=False)
-    if len(src_block_ids) != len(dst_block_ids):
-        raise ValueError(f"{len(src_block_ids)} source block ids but {len(dst_block_ids)} destination ids")
     if not 0 <= head_offset <= dst.num_kv_heads - src.num_kv_heads:
         raise ValueError(f"heads [{head_offset}, {head_offset + src.num_kv_heads}) do not fit the "
                          f"destination's {dst.num_kv_heads} KV heads")
-    # the id, range and last-block checks of a same-heads plan over the source layout
-    plan_block_writes(src, src, src_block_ids, src_block_ids, layers, last_block_tokens)
-    _check_ids("dst_block_ids", dst_block_ids, dst.num_blocks)
-    if len(set(dst_block_ids)) != len(dst_block_ids):
-        raise ValueError(f"dst_block_ids has duplicates: {list(dst_block_ids)}")
-    layers = range(src.num_layers) if layers is None else layers
+    layers = _checked(src, dst, src_block_ids, dst_block_ids, layers, last_block_tokens)
     slot_src, slot_dst = src.block_bytes // src.block_size, dst.block_bytes // dst.block_size
     length = slot_src
     offset = head_offset * src.head_dim * src.itemsize

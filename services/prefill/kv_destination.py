@@ -190,6 +190,16 @@ class StagingPool:
         run = self.buffer[start * self.block_elems:(start + length) * self.block_elems]
         return list(run.view(d, L, two, length, bs, h // d, dim).unbind(0))
 
+    def count_staged(self, n: int) -> None:
+        with self._lock:
+            self.num_staged += n
+
+    def count_unstaged(self, n: int) -> bool:
+        """Count n blocks left to head slices; True the first time."""
+        with self._lock:
+            self.num_unstaged += n
+            return self.num_unstaged == n
+
     def give_back(self, start: int, length: int) -> None:
         with self._lock:
             self._free[start:start + length] = [True] * length
@@ -253,15 +263,11 @@ class StagedWrites:
                 for run in runs:
                     self.pool.give_back(*run)
                 raise
-            with self.pool._lock:
-                self.pool.num_staged += taken
+            self.pool.count_staged(taken)
         return Staged(tuple(runs), tuple(src[taken:]))
 
     def _unstaged(self, n: int) -> None:
-        with self.pool._lock:
-            first = self.pool.num_unstaged == 0
-            self.pool.num_unstaged += n
-        if first:
+        if self.pool.count_unstaged(n):
             log.warning("KV staging is full: %d block(s) pushed as head slices (one write per token slot); "
                         "more staging memory would keep them whole (STAGING_MAX_BYTES)", n)
 
