@@ -1,4 +1,5 @@
-"""KV writes that a tensor-parallel worker makes from its own KV cache, on rank 0's order.
+"""KV writes (and reads) that a tensor-parallel worker makes with its own KV cache, on rank
+0's order.
 
 A rank's KV heads live only in its own process, registered with its own transfer engine
 (worker.py), so a prefill node at TP > 1 pushes each rank's share from that rank. What to
@@ -13,6 +14,11 @@ deadlines and stops for every rank alike); a worker only executes:
 Ordering: rank 0 orders a layer's write only after its forward pass finished that layer,
 which ends in an all-reduce every rank joined after writing the layer's KV (the row-
 parallel output projection), so the worker's bytes are in place when its order arrives.
+
+Reads (ReadOrder: KVSender.fetch_blocks into the worker's own blocks) are how a worker
+loads its heads of a prefix from the kv-store (services/prefill/store_prefix.py). They go
+the same way, with the same deadlines; a read given up on may still land in its blocks
+(unsettled), which the caller then keeps quarantined.
 
 Timeouts: an order carries `not_after`, the latest time it may start (its submission plus
 its timeout_s, never past the request's deadline: the pusher caps timeout_s by what is
@@ -63,9 +69,34 @@ class WriteOrder:
         """When rank 0 stops waiting for its answer (monotonic)."""
         return self.not_after + 2 * self.timeout_s
 
+    def run(self, sender) -> int:
+        return sender.send_blocks(self.peer, self.dst_layout, self.src_block_ids, self.dst_block_ids,
+                                  layers=self.layers, last_block_tokens=self.last_block_tokens,
+                                  timeout_s=self.timeout_s, head_offset=self.head_offset)
+
+
+@dataclass(frozen=True)
+class ReadOrder:
+    """One batched read of a peer's blocks into the worker's own (KVSender.fetch_blocks)."""
+
+    peer: str
+    src_layout: KVLayout
+    src_block_ids: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+    timeout_s: float
+    not_after: float                # time.monotonic() past which it must not start
+
+    @property
+    def answer_by(self) -> float:
+        return self.not_after + 2 * self.timeout_s
+
+    def run(self, sender) -> int:
+        return sender.fetch_blocks(self.peer, self.src_layout, self.src_block_ids, self.dst_block_ids,
+                                   timeout_s=self.timeout_s)
+
 
 def serve_writes(conn, sender, sync=None) -> None:
-    """Worker: run each WriteOrder received on `conn` with `sender` (this rank's KVSender),
+    """Worker: run each WriteOrder or ReadOrder received on `conn` with `sender` (this rank's KVSender),
     answering (order id, bytes, None) or (order id, 0, (message, unsettled)); returns when
     rank 0 says stop (None) or its end is gone, once the writes in flight ended. sync():
     on a device, waits for the rank's queued kernels (those that wrote the KV) first."""
@@ -74,7 +105,7 @@ def serve_writes(conn, sender, sync=None) -> None:
 
     def run(order_id: int, order: WriteOrder) -> None:
         if time.monotonic() > order.not_after:
-            answer = (order_id, 0, ("the write's start deadline passed while it waited; nothing was written", False))
+            answer = (order_id, 0, ("the transfer's start deadline passed while it waited; nothing moved", False))
             with send_lock:
                 conn.send(answer)
             return
@@ -82,15 +113,12 @@ def serve_writes(conn, sender, sync=None) -> None:
             if sync is not None:
                 sync()
                 if time.monotonic() > order.not_after:   # the wait outlasted the start deadline
-                    raise ValueError("the write's start deadline passed while the device finished; "
-                                     "nothing was written")
-            nbytes = sender.send_blocks(order.peer, order.dst_layout, order.src_block_ids, order.dst_block_ids,
-                                        layers=order.layers, last_block_tokens=order.last_block_tokens,
-                                        timeout_s=order.timeout_s, head_offset=order.head_offset)
-            answer = (order_id, nbytes, None)
+                    raise ValueError("the transfer's start deadline passed while the device finished; "
+                                     "nothing moved")
+            answer = (order_id, order.run(sender), None)
         except TransferError as e:
             answer = (order_id, 0, (str(e), e.unsettled))
-        except ValueError as e:   # a plan error: nothing was written
+        except ValueError as e:   # a plan error: nothing moved
             answer = (order_id, 0, (str(e), False))
         except Exception as e:    # unknown: bytes may be in flight
             answer = (order_id, 0, (f"{type(e).__name__}: {e}", True))
@@ -111,6 +139,33 @@ def serve_writes(conn, sender, sync=None) -> None:
         conn.close()
 
 
+class WorkerSender:
+    """KVSender's send_blocks and fetch_blocks as worker `rank` makes them with its own
+    cache, for rank 0's callers (the kv-store client of that rank): each blocks the
+    calling thread until the worker answered. As KVSender's, a call returns within
+    2 x timeout_s: the order must start within timeout_s / 2 and its transfer gets
+    timeout_s / 2 (it ends within twice that)."""
+
+    def __init__(self, writers: "RankWriters", rank: int):
+        self.writers, self.rank = writers, rank
+
+    def _run(self, order: WriteOrder | ReadOrder) -> int:
+        return self.writers.wait(self.writers.write(self.rank, order), order)
+
+    def send_blocks(self, peer_endpoint: str, dst_layout: KVLayout, src_block_ids, dst_block_ids,
+                    layers=None, last_block_tokens=None, timeout_s: float = 10.0, head_offset=None) -> int:
+        half = timeout_s / 2
+        return self._run(WriteOrder(peer_endpoint, dst_layout, tuple(src_block_ids), tuple(dst_block_ids),
+                                    None if layers is None else tuple(layers), last_block_tokens, half,
+                                    head_offset, time.monotonic() + half))
+
+    def fetch_blocks(self, peer_endpoint: str, src_layout: KVLayout, src_block_ids, dst_block_ids,
+                     timeout_s: float = 10.0) -> int:
+        half = timeout_s / 2
+        return self._run(ReadOrder(peer_endpoint, src_layout, tuple(src_block_ids), tuple(dst_block_ids),
+                                   half, time.monotonic() + half))
+
+
 class RankWriters:
     """Rank 0's side: one pipe per worker (rank 1 first)."""
 
@@ -121,13 +176,15 @@ class RankWriters:
         self._gone: list[str | None] = [None] * len(conns)
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self._reads: set[int] = set()   # ids of the ReadOrders not answered yet
         self.bytes_written = 0      # acknowledged by the peers of every worker rank
+        self.bytes_read = 0         # read into every worker rank's cache (ReadOrder)
         for i, conn in enumerate(conns):
             threading.Thread(target=self._receive, args=(i,), name=f"rank{i + 1}-writes", daemon=True).start()
 
-    def write(self, rank: int, order: WriteOrder) -> Future:
-        """Worker `rank` (>= 1) runs `order`; the future gives the bytes written, or raises
-        TransferError. Its result() must be waited for with rank_wait_s(order)."""
+    def write(self, rank: int, order: WriteOrder | ReadOrder) -> Future:
+        """Worker `rank` (>= 1) runs `order`; the future gives the bytes written (or read),
+        or raises TransferError. Wait for it with wait(future, order)."""
         i = rank - 1
         future: Future = Future()
         order_id = next(self._ids)
@@ -136,6 +193,8 @@ class RankWriters:
                 future.set_exception(TransferError(self._gone[i]))
                 return future
             self._pending[i][order_id] = future
+            if isinstance(order, ReadOrder):
+                self._reads.add(order_id)
         try:
             with self._send_locks[i]:
                 self._conns[i].send((order_id, order))
@@ -143,13 +202,14 @@ class RankWriters:
             self._end(i, f"tensor-parallel rank {rank} cannot take KV writes: {e}")
         return future
 
-    def wait(self, future: Future, order: WriteOrder) -> int:
-        """The bytes the order wrote; TransferError when it failed or did not answer by
+    def wait(self, future: Future, order: WriteOrder | ReadOrder) -> int:
+        """The bytes the order moved; TransferError when it failed or did not answer by
         order.answer_by (then unsettled: it may still land)."""
         try:
             return future.result(timeout=max(0.0, order.answer_by - time.monotonic()))
         except concurrent.futures.TimeoutError:   # not the builtin TimeoutError before 3.11
-            raise TransferError("a tensor-parallel rank did not answer its KV write in time",
+            what = "read" if isinstance(order, ReadOrder) else "write"
+            raise TransferError(f"a tensor-parallel rank did not answer its KV {what} in time",
                                 unsettled=True) from None
 
     def _receive(self, i: int) -> None:
@@ -166,7 +226,11 @@ class RankWriters:
                 return
             with self._lock:
                 future = self._pending[i].pop(order_id, None)
-                self.bytes_written += nbytes
+                if order_id in self._reads:
+                    self._reads.discard(order_id)
+                    self.bytes_read += nbytes
+                else:
+                    self.bytes_written += nbytes
             if future is None:
                 continue
             if error is None:

@@ -12,6 +12,10 @@ starts only while its lease (pin or reservation) has more than timeouts.transfer
 left, and ends within it: it never outlives the lease it relies on, and a read that
 does anyway is caught by the slot generations at release.
 
+A tensor-parallel node has one client per rank (services/kv_store/rank_clients.py): each
+moves its rank's heads, in its own key space (KeySpace.head_offset), through a sender
+that moves that rank's cache (the worker's: common/parallel/rank_writes.WorkerSender).
+
 Thread-safety: event loop only; the transfers run on the node's executor.
 """
 from __future__ import annotations
@@ -48,11 +52,17 @@ class Pinned:
 
 class KVStoreClient:
     def __init__(self, address: str, model_id: str, local_layout: KVLayout, sender: KVSender,
-                 executor: Executor, timeouts: TimeoutConfig = TimeoutConfig()):
+                 executor: Executor, timeouts: TimeoutConfig = TimeoutConfig(), head_offset: int = 0,
+                 transfer_backend: str | None = None):
+        """sender: moves the local blocks (send_blocks / fetch_blocks); head_offset: the
+        first KV head they hold (a tensor-parallel rank's); transfer_backend: the name of
+        the sender's engine (default sender.engine.name)."""
         self.address, self.timeouts = address, timeouts
         self.timeout_s = timeouts.kv_store_call_s
         self.sender, self.executor = sender, executor
-        self.space = kv_store_pb2.KeySpace(model_id=model_id, layout=local_layout.to_proto())
+        self.transfer_backend = transfer_backend or sender.engine.name
+        self.space = kv_store_pb2.KeySpace(model_id=model_id, layout=local_layout.to_proto(),
+                                           head_offset=head_offset)
         self.block_size = local_layout.block_size
         self._channel = grpc_util.channel(address)
         self.stub = kv_store_pb2_grpc.KVStoreStub(self._channel)
@@ -80,9 +90,9 @@ class KVStoreClient:
         self.available = True
 
     def _region_usable(self, region: kv_store_pb2.StoreRegion) -> KVLayout | None:
-        if region.transfer_backend != self.sender.engine.name:
+        if region.transfer_backend != self.transfer_backend:
             self._failed("transfer", f"the store uses transfer backend {region.transfer_backend!r}, "
-                                     f"this node {self.sender.engine.name!r}")
+                                     f"this node {self.transfer_backend!r}")
             return None
         return KVLayout.from_proto(region.layout)
 

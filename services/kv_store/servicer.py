@@ -12,7 +12,7 @@ import grpc
 
 from common.transfer.layout import KVLayout
 from protos.pdmesh.v1 import kv_store_pb2, kv_store_pb2_grpc
-from services.kv_store.store import KVStore, Space, SpaceRefused, SpacesExhausted
+from services.kv_store.store import KVStore, Space, SpaceRefused, SpacesExhausted, space_key
 from services.node.members_view import MembersUnavailable
 
 
@@ -21,16 +21,21 @@ class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
         self.store = store
 
     @staticmethod
-    async def _space_args(space, context) -> tuple[str, KVLayout]:
+    async def _space_args(space, context) -> tuple[str, KVLayout, int]:
         try:
-            return space.model_id, KVLayout.from_proto(space.layout)
+            layout = KVLayout.from_proto(space.layout)
         except (ValueError, TypeError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"space.layout: {e}")
+        try:
+            space_key(layout, space.head_offset)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return space.model_id, layout, space.head_offset
 
-    async def _admit(self, model_id: str, layout: KVLayout, context) -> None:
+    async def _admit(self, model_id: str, layout: KVLayout, head_offset: int, context) -> None:
         """Before a call that may make a key space."""
         try:
-            await self.store.admit_space(model_id, layout)
+            await self.store.admit_space(model_id, layout, head_offset)
         except SpaceRefused as e:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except MembersUnavailable as e:
@@ -43,19 +48,19 @@ class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
                                         layout=space.memory.layout.to_proto())
 
     async def Lookup(self, request, context):
-        model_id, layout = await self._space_args(request.space, context)
+        model_id, layout, offset = await self._space_args(request.space, context)
         try:
-            total, in_memory = await self.store.lookup(model_id, layout, list(request.block_hashes))
+            total, in_memory = await self.store.lookup(model_id, layout, list(request.block_hashes), offset)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return kv_store_pb2.LookupResponse(num_hits=total, num_memory_hits=in_memory)
 
     async def ReservePut(self, request, context):
-        model_id, layout = await self._space_args(request.space, context)
-        await self._admit(model_id, layout, context)
+        model_id, layout, offset = await self._space_args(request.space, context)
+        await self._admit(model_id, layout, offset, context)
         try:
             put_id, indices, slots, space = self.store.reserve_put(
-                model_id, layout, list(request.block_hashes), list(request.token_ids))
+                model_id, layout, list(request.block_hashes), list(request.token_ids), offset)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except SpacesExhausted as e:
@@ -73,12 +78,12 @@ class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
         return kv_store_pb2.CommitPutResponse(num_committed=num)
 
     async def PinGet(self, request, context):
-        model_id, layout = await self._space_args(request.space, context)
+        model_id, layout, offset = await self._space_args(request.space, context)
         if self.store.redis is not None:   # a Redis hit makes the space
-            await self._admit(model_id, layout, context)
+            await self._admit(model_id, layout, offset, context)
         try:
             pin_id, slots, promoted, space = await self.store.pin_get(
-                model_id, layout, list(request.block_hashes), list(request.token_ids))
+                model_id, layout, list(request.block_hashes), list(request.token_ids), offset)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except SpacesExhausted as e:

@@ -7,7 +7,8 @@
           slots still hold those blocks (else the read was a miss)
     expire() drops stale reservations and pins; the server calls it periodically.
 
-Key spaces: one per (model id, layout_key), each with its own pool of kv_store.capacity_mb
+Key spaces: one per (model id, space_key: the layout_key and, for a tensor-parallel rank's
+heads, their head offset), each with its own pool of kv_store.capacity_mb
 (a space fills and evicts only its own slots), at most kv_store.max_spaces of them. A new
 one is made only for a model that a live member of the mesh serves with that layout
 (`admit_space`, awaited by the servicer before a call that would make one; the members
@@ -52,6 +53,24 @@ class SpaceRefused(RuntimeError):
     """No live member of the mesh serves this model with this layout."""
 
 
+def space_key(layout: KVLayout, head_offset: int = 0) -> str:
+    """The layout part of a key space: layout_key, plus the first KV head of a
+    tensor-parallel rank's shard when it is not 0 (TP 1 and rank 0 keep the plain key).
+    ValueError naming space.head_offset unless it is a multiple of the layout's heads."""
+    if head_offset < 0 or head_offset % layout.num_kv_heads:
+        raise ValueError(f"space.head_offset must be a non-negative multiple of layout.num_kv_heads "
+                         f"({layout.num_kv_heads}), got {head_offset}")
+    key = layout_key(layout)
+    return f"{key}:O{head_offset}" if head_offset else key
+
+
+def heads_offsets(member) -> range:
+    """The head offsets a member's ranks may store under (NodeInfo: kv_layout heads per
+    rank, one rank per kv_ranks entry, or one)."""
+    heads = member.kv_layout.num_kv_heads
+    return range(0, heads * max(len(member.kv_ranks), 1), max(heads, 1))
+
+
 @dataclass
 class Space:
     model_id: str
@@ -76,27 +95,29 @@ class KVStore:
         self.num_hits = self.num_misses = self.bytes_in = self.bytes_out = 0
 
     # ---- key spaces ----------------------------------------------------------------
-    def has_space(self, model_id: str, layout: KVLayout) -> bool:
-        return (model_id, layout_key(layout)) in self.spaces
+    def has_space(self, model_id: str, layout: KVLayout, head_offset: int = 0) -> bool:
+        return (model_id, space_key(layout, head_offset)) in self.spaces
 
-    async def admit_space(self, model_id: str, layout: KVLayout) -> None:
+    async def admit_space(self, model_id: str, layout: KVLayout, head_offset: int = 0) -> None:
         """Returns when the space exists or may be made: a live member serves model_id
-        with this layout_key. SpaceRefused otherwise; MembersUnavailable when the members
-        cannot be listed."""
-        if self.members is None or self.has_space(model_id, layout):
+        with this layout_key, and has a rank at head_offset. SpaceRefused otherwise;
+        MembersUnavailable when the members cannot be listed; ValueError for a bad offset."""
+        if self.members is None or self.has_space(model_id, layout, head_offset):
             return
         key = layout_key(layout)
         member = await self.members.find(lambda m: m.model_id == model_id and m.HasField("kv_layout")
-                                         and layout_key(m.kv_layout) == key)
+                                         and layout_key(m.kv_layout) == key
+                                         and head_offset in heads_offsets(m))
         if member is None:
             shown = model_id if len(model_id) <= 128 else model_id[:128] + "..."
-            raise SpaceRefused(f"space.model_id {shown!r} with layout {key}: no live node of this mesh "
+            at = f" at head offset {head_offset}" if head_offset else ""
+            raise SpaceRefused(f"space.model_id {shown!r} with layout {key}{at}: no live node of this mesh "
                                "serves it, and key spaces are made only for models that live nodes serve")
 
-    def _space(self, model_id: str, layout: KVLayout, create: bool) -> Space | None:
+    def _space(self, model_id: str, layout: KVLayout, create: bool, head_offset: int = 0) -> Space | None:
         if not model_id:
             raise ValueError("space.model_id must not be empty")
-        key = (model_id, layout_key(layout))
+        key = (model_id, space_key(layout, head_offset))
         space = self.spaces.get(key)
         if space is not None or not create:
             return space
@@ -144,10 +165,11 @@ class KVStore:
         return [self.redis.key(space.model_id, space.key, h) for h in hashes]
 
     # ---- operations ------------------------------------------------------------------
-    async def lookup(self, model_id: str, layout: KVLayout, hashes: Sequence[bytes]) -> tuple[int, int]:
+    async def lookup(self, model_id: str, layout: KVLayout, hashes: Sequence[bytes],
+                     head_offset: int = 0) -> tuple[int, int]:
         """(leading hits in memory or Redis, leading hits in memory)."""
         self._check(hashes, None, layout.block_size)
-        space = self._space(model_id, layout, create=False)
+        space = self._space(model_id, layout, create=False, head_offset=head_offset)
         in_memory = space.index.lookup(hashes) if space is not None else 0
         total = in_memory
         if self.redis is not None and space is not None and in_memory < len(hashes):
@@ -158,10 +180,10 @@ class KVStore:
         return total, in_memory
 
     def reserve_put(self, model_id: str, layout: KVLayout, hashes: Sequence[bytes],
-                    token_ids: Sequence[int]) -> tuple[str, list[int], list[int], Space]:
+                    token_ids: Sequence[int], head_offset: int = 0) -> tuple[str, list[int], list[int], Space]:
         """(put_id, indices into hashes, slots, space) for the blocks not held yet."""
         self._check(hashes, token_ids, layout.block_size)
-        space = self._space(model_id, layout, create=True)
+        space = self._space(model_id, layout, create=True, head_offset=head_offset)
         put_id, placed, evicted = space.index.reserve(hashes, self._blocks(token_ids, layout.block_size))
         self._spill(space, evicted)
         return put_id, [i for i, _ in placed], [s for _, s in placed], space
@@ -174,10 +196,10 @@ class KVStore:
         return len(committed)
 
     async def pin_get(self, model_id: str, layout: KVLayout, hashes: Sequence[bytes],
-                      token_ids: Sequence[int]) -> tuple[str, list[int], int, Space | None]:
+                      token_ids: Sequence[int], head_offset: int = 0) -> tuple[str, list[int], int, Space | None]:
         """(pin_id or "", slots of the leading hits, how many were promoted from Redis, space)."""
         self._check(hashes, token_ids, layout.block_size)
-        space = self._space(model_id, layout, create=self.redis is not None)
+        space = self._space(model_id, layout, create=self.redis is not None, head_offset=head_offset)
         if space is None:
             self.num_misses += len(hashes)
             return "", [], 0, None

@@ -27,7 +27,10 @@ from common.transfer.layout import KVLayout
 from common.transfer.factory import create_transfer
 from protos.pdmesh.v1 import common_pb2, engine_pb2
 from services.node import grpc_util
+from common.parallel.rank_writes import WorkerSender
+from common.parallel.shard import plan_shard
 from services.kv_store.client import KVStoreClient
+from services.kv_store.rank_clients import RankStoreClients
 from services.node.metrics import NodeMetrics
 from services.node.node_registration import NodeRegistration, create_registration
 from services.prefill.kv_destination import Staging, StagingPool
@@ -101,21 +104,30 @@ class EngineNode:
             raise
         self.sender = KVSender(self.transfer, self.layout)
         self.rank_writers = tp.writers if tp is not None else None
-        self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{node.node_id}-kv")
-        self.kv_store: KVStoreClient | None = None
-        if mesh.kv_store is not None and node.role == "prefill" and tp_size > 1:
-            log.warning("%s: tensor_parallel_size %d: this node neither reads from nor writes to the kv-store "
-                        "(its blocks are sharded over its ranks; the store holds whole TP-1 blocks)",
-                        node.node_id, tp_size)
-        elif mesh.kv_store is not None and node.role == "prefill":
-            self.kv_store = KVStoreClient(mesh.kv_store.address, self.llm_engine.model_id, self.layout,
-                                          self.sender, self.executor, mesh.timeouts)
+        # threads for KV moves: at TP > 1 a kv-store transfer holds one per rank
+        self.executor = ThreadPoolExecutor(max_workers=4 * tp_size, thread_name_prefix=f"{node.node_id}-kv")
+        self.kv_store: KVStoreClient | RankStoreClients | None = None
+        if mesh.kv_store is not None and node.role == "prefill":
+            self.kv_store = self._store_client(mesh.kv_store.address)
         self.address = ""
         self.registration: NodeRegistration | None = None
         self.stalled = False        # set by NodeHealth: reported in load.stalled
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.peer_limits = grpc_util.PeerLimits(grpc_util.MAX_CALLS_PER_PEER)   # calls to peer nodes
         self.metrics = NodeMetrics(node.node_id, self.engine.snapshot, self.transfer)   # served by the node server
+
+    def _store_client(self, address: str) -> KVStoreClient | RankStoreClients:
+        """The kv-store handle: at TP > 1 one client per rank, each storing that rank's
+        heads in its own key space (rank_clients.py)."""
+        model_id, timeouts = self.llm_engine.model_id, self.mesh.timeouts
+        if self.rank_writers is None:
+            return KVStoreClient(address, model_id, self.layout, self.sender, self.executor, timeouts)
+        size = len(self.rank_layouts)
+        offsets = [plan_shard(self.llm_engine.model_config, size, r).kv_head_start for r in range(size)]
+        senders = [self.sender] + [WorkerSender(self.rank_writers, r) for r in range(1, size)]
+        return RankStoreClients([KVStoreClient(address, model_id, layout, sender, self.executor, timeouts,
+                                               head_offset=offset, transfer_backend=self.transfer.name)
+                                 for layout, sender, offset in zip(self.rank_layouts, senders, offsets)])
 
     def _staging(self) -> Staging:
         """Registered staging blocks holding every KV head, for pushes into decode nodes of
@@ -163,9 +175,11 @@ class EngineNode:
             total_blocks=s["total_blocks"], pending_transfers=pending_transfers,
             prefix_hit_tokens=s["prefix_hit_tokens"], preemptions=s["preemptions"],
             quarantined_blocks=s["quarantined_blocks"], kv_remote=s["kv_remote"], held=s["held"],
-            transfer_bytes_written=self.bytes_written(), transfer_bytes_read=self.transfer.bytes_read,
+            transfer_bytes_written=self.bytes_written(),
+            transfer_bytes_read=self.transfer.bytes_read + (self.rank_writers.bytes_read if self.rank_writers else 0),
             rank_bytes_written=self.rank_writers.bytes_written if self.rank_writers else 0,
-            kv_blocks_staged=self.staging.pool.num_staged if self.staging else 0)
+            kv_blocks_staged=self.staging.pool.num_staged if self.staging else 0,
+            rank_bytes_read=self.rank_writers.bytes_read if self.rank_writers else 0)
 
     def bytes_written(self) -> int:
         """KV bytes peers acknowledged, from every rank of this node."""

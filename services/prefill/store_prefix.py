@@ -28,6 +28,7 @@ from common.engine.remote_kv import KVFilled
 from common.transfer.base import TransferError
 from common.hashing import hash_block_chain
 from services.kv_store.client import KVStoreClient
+from services.kv_store.rank_clients import RankStoreClients
 from services.node.grpc_util import refuses_connections
 
 log = logging.getLogger("pdmesh.prefill")
@@ -35,7 +36,7 @@ SETTLED_POLL_S = 0.5
 
 
 class StorePrefix:
-    def __init__(self, client: KVStoreClient, prompt: list[int], model_id: str, layout: str):
+    def __init__(self, client: KVStoreClient | RankStoreClients, prompt: list[int], model_id: str, layout: str):
         self.client, self.prompt = client, prompt
         bs = self.block_size = client.block_size
         self.hashes = hash_block_chain(prompt, bs, model_id, layout)

@@ -164,3 +164,63 @@ def test_every_served_service_reads_the_mesh_secrets_from_compose_secrets(servic
         assert ("PDMESH_API_KEYS_FILE" in env) == (args.role == "gateway"), name
         assert not any("secret" in part.lower() or "token" in part.lower() for part in svc["command"]), name
     assert "/deploy/secrets/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+# ---- device overrides: docker-compose.{cuda,ascend}.yml -------------------------------
+DEVICE_OVERRIDES = {"cuda": ROOT / "docker-compose.cuda.yml", "npu": ROOT / "docker-compose.ascend.yml"}
+# what a device variant of deploy/compose.yaml may change
+VARIANT_FIELDS = {"cuda": {("engine", "device")},
+                  "npu": {("engine", "device"), ("engine", "kernel_backend"), ("transfer", "protocol")}}
+
+
+def _devices_given(device: str, service: dict) -> int:
+    """How many accelerators the compose service gets: GPUs it reserves, /dev/davinciN it maps."""
+    if device == "cuda":
+        [req] = service["deploy"]["resources"]["reservations"]["devices"]
+        assert req["driver"] == "nvidia" and "gpu" in req["capabilities"]
+        return int(req["count"])
+    names = [d.split(":")[0] for d in service["devices"]]
+    assert {"/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc"} <= set(names)
+    return sum(1 for n in names if n.removeprefix("/dev/davinci").isdigit())
+
+
+@pytest.mark.parametrize("device", sorted(DEVICE_OVERRIDES))
+def test_each_engine_node_gets_one_device_per_tensor_parallel_rank(services, device):
+    override = yaml.safe_load(DEVICE_OVERRIDES[device].read_text())["services"]
+    assert sorted(override) == ["decode", "prefill"]
+    given = []
+    for name, svc in override.items():
+        args = build_parser().parse_args(svc["command"])
+        assert args.command == "serve" and args.role == name == build_parser().parse_args(
+            services[name]["command"]).role
+        mesh = load_mesh_config(str(_host_path(args.config)))
+        node = mesh.node(args.node_id)
+        engine = mesh.engine_config(node)
+        assert engine.device == device
+        assert _devices_given(device, svc) == engine.tensor_parallel_size > 1, name
+        given.append(svc.get("devices", []))
+    if device == "npu":   # no NPU in two containers
+        chips = [{d for d in devs if d.removeprefix("/dev/davinci").isdigit()} for devs in given]
+        assert not chips[0] & chips[1]
+
+
+@pytest.mark.parametrize("device", sorted(DEVICE_OVERRIDES))
+def test_a_device_config_is_compose_yaml_but_for_its_device_fields(device):
+    base = yaml.safe_load((ROOT / "deploy" / "compose.yaml").read_text())
+    [config] = {build_parser().parse_args(s["command"]).config
+                for s in yaml.safe_load(DEVICE_OVERRIDES[device].read_text())["services"].values()}
+    variant = yaml.safe_load(_host_path(config).read_text())
+    for section, field in VARIANT_FIELDS[device]:
+        variant[section].pop(field, None)
+        base[section].pop(field, None)
+    for node in variant["nodes"]:
+        node.pop("engine")
+    assert variant == base
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
+@pytest.mark.parametrize("device", sorted(DEVICE_OVERRIDES))
+def test_docker_compose_validates_with_a_device_override(device):
+    proc = subprocess.run(["docker-compose", "-f", str(COMPOSE), "-f", str(DEVICE_OVERRIDES[device]), "config", "-q"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

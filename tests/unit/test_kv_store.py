@@ -65,6 +65,24 @@ def test_blocks_never_cross_models_or_layouts(cache):
     assert asyncio.run(store.lookup("model-a", cache.layout, hashes_a)) == (4, 4)
 
 
+def test_each_head_offset_is_a_space_of_its_own(cache):
+    """Two tensor-parallel ranks with the same layout (heads 0-1 and 2-3 of a TP-2 node)
+    never read each other's blocks; rank 0's space is the plain layout's."""
+    store = new_store(8, cache, max_spaces=4)
+    put_blocks(store, cache, "m", TOKENS, [0, 1, 2, 3])            # offset 0
+    hashes = chain(TOKENS, "m", cache.layout)
+    assert asyncio.run(store.lookup("m", cache.layout, hashes, head_offset=2)) == (0, 0)
+    assert asyncio.run(store.pin_get("m", cache.layout, hashes, TOKENS, head_offset=2))[:2] == ("", [])
+    put_id, indices, slots, space = store.reserve_put("m", cache.layout, hashes, TOKENS, head_offset=2)
+    assert indices == [0, 1, 2, 3] and space.key == "float32:L2:H2:D8:B4:O2"
+    assert store.has_space("m", cache.layout) and store.has_space("m", cache.layout, 2)
+    assert asyncio.run(store.lookup("m", cache.layout, hashes, head_offset=0)) == (4, 4)
+    for bad in (1, 3, -2):
+        with pytest.raises(ValueError, match=f"space.head_offset must be a non-negative multiple of "
+                                             rf"layout.num_kv_heads \(2\), got {bad}"):
+            store.reserve_put("m", cache.layout, hashes, TOKENS, head_offset=bad)
+
+
 def test_pin_checks_the_stored_tokens(cache):
     store = new_store(8, cache)
     put_blocks(store, cache, "m", TOKENS, [0, 1, 2, 3])

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from common.parallel.rank_writes import RankWriters, WriteOrder, serve_writes
+from common.parallel.rank_writes import RankWriters, ReadOrder, WorkerSender, WriteOrder, serve_writes
 from common.transfer.base import TransferError
 from common.transfer.fake import FakeTransfer
 from common.transfer.kv_writes import KVSender
@@ -258,3 +258,42 @@ def test_what_the_pool_has_no_room_for_goes_as_head_slices_and_unsettled_runs_co
     assert pool.take(2) == (1, 1), "the unsettled run is held back for twice the timeout"
     time.sleep(0.3)
     assert pool.take(1) == (0, 1), "then given back"
+
+
+def test_a_worker_sender_reads_and_writes_the_workers_own_cache():
+    """WorkerSender (a kv-store client's sender for a worker rank): a read lands in the
+    worker's blocks and counts in bytes_read, a write comes from them and counts in
+    bytes_written; both exact."""
+    own, store = torch.zeros(2, 2, 8, 4, 2, 3), torch.arange(2 * 2 * 6 * 4 * 2 * 3, dtype=torch.float32).reshape(2, 2, 6, 4, 2, 3)
+    own_t, store_t = FakeTransfer(), FakeTransfer()
+    own_t.register(own.data_ptr(), own.numel() * own.element_size())
+    store_t.register(store.data_ptr(), store.numel() * store.element_size())
+    writers, thread, _ = worker(KVSender(own_t, KVLayout.of_tensor(own)))
+    sender = WorkerSender(writers, 1)
+    block_bytes = 2 * 2 * 4 * 2 * 3 * 4                 # layers x K/V x a block's rows, fp32
+    assert sender.fetch_blocks(store_t.endpoint, KVLayout.of_tensor(store), [4, 5], [1, 2], timeout_s=2.0) == 2 * block_bytes
+    assert torch.equal(own[:, :, 1:3], store[:, :, 4:6]) and not own[:, :, 0].any() and not own[:, :, 3:].any()
+    assert (writers.bytes_read, writers.bytes_written) == (2 * block_bytes, 0)
+    own[:, :, 7] = 9.0
+    assert sender.send_blocks(store_t.endpoint, KVLayout.of_tensor(store), [7], [0], timeout_s=2.0) == block_bytes
+    assert torch.equal(store[:, :, 0], own[:, :, 7])
+    assert (writers.bytes_read, writers.bytes_written) == (2 * block_bytes, block_bytes)
+    writers.close()
+    thread.join(5)
+    own_t.close()
+    store_t.close()
+
+
+def test_a_worker_read_past_its_start_deadline_moves_nothing():
+    own, store = torch.zeros(2, 2, 8, 4, 2, 3), torch.ones(2, 2, 6, 4, 2, 3)
+    own_t, store_t = FakeTransfer(), FakeTransfer()
+    own_t.register(own.data_ptr(), own.numel() * own.element_size())
+    store_t.register(store.data_ptr(), store.numel() * store.element_size())
+    writers, _, _ = worker(KVSender(own_t, KVLayout.of_tensor(own)))
+    late = ReadOrder(store_t.endpoint, KVLayout.of_tensor(store), (0,), (0,), 1.0, time.monotonic() - 0.1)
+    with pytest.raises(TransferError, match="start deadline passed") as e:
+        writers.wait(writers.write(1, late), late)
+    assert not e.value.unsettled and not own.any() and writers.bytes_read == 0
+    writers.close()
+    own_t.close()
+    store_t.close()

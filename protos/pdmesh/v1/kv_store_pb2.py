@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pdmesh.v1 import common_pb2 as pdmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdmesh/v1/kv_store.proto\x12\tpdmesh.v1\x1a\x16pdmesh/v1/common.proto\"A\n\x08KeySpace\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.pdmesh.v1.KVLayout\"g\n\x0bStoreRegion\x12\x18\n\x10transfer_backend\x18\x01 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x02 \x01(\t\x12#\n\x06layout\x18\x03 \x01(\x0b\x32\x13.pdmesh.v1.KVLayout\"I\n\rLookupRequest\x12\"\n\x05space\x18\x01 \x01(\x0b\x32\x13.pdmesh.v1.KeySpace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\";\n\x0eLookupResponse\x12\x10\n\x08num_hits\x18\x01 \x01(\x05\x12\x17\n\x0fnum_memory_hits\x18\x02 \x01(\x05\"`\n\x11ReservePutRequest\x12\"\n\x05space\x18\x01 \x01(\x0b\x32\x13.pdmesh.v1.KeySpace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"\x86\x01\n\x12ReservePutResponse\x12\x0e\n\x06put_id\x18\x01 \x01(\t\x12\x0f\n\x07indices\x18\x02 \x03(\x05\x12\x10\n\x08slot_ids\x18\x03 \x03(\x05\x12&\n\x06region\x18\x04 \x01(\x0b\x32\x16.pdmesh.v1.StoreRegion\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\"\"\n\x10\x43ommitPutRequest\x12\x0e\n\x06put_id\x18\x01 \x01(\t\"*\n\x11\x43ommitPutResponse\x12\x15\n\rnum_committed\x18\x01 \x01(\x05\"\\\n\rPinGetRequest\x12\"\n\x05space\x18\x01 \x01(\x0b\x32\x13.pdmesh.v1.KeySpace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"\x9c\x01\n\x0ePinGetResponse\x12\x0e\n\x06pin_id\x18\x01 \x01(\t\x12\x10\n\x08slot_ids\x18\x02 \x03(\x05\x12&\n\x06region\x18\x03 \x01(\x0b\x32\x16.pdmesh.v1.StoreRegion\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\x12\x14\n\x0cnum_promoted\x18\x05 \x01(\x05\x12\x13\n\x0bgenerations\x18\x06 \x03(\x04\"G\n\x0eReleaseRequest\x12\x0e\n\x06pin_id\x18\x01 \x01(\t\x12\x10\n\x08slot_ids\x18\x02 \x03(\x05\x12\x13\n\x0bgenerations\x18\x03 \x03(\x04\" \n\x0fReleaseResponse\x12\r\n\x05valid\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xe4\x02\n\rStatsResponse\x12\x13\n\x0b\x62locks_used\x18\x01 \x01(\x03\x12\x14\n\x0c\x62locks_total\x18\x02 \x01(\x03\x12\x15\n\rblocks_pinned\x18\x03 \x01(\x03\x12\x0c\n\x04hits\x18\x04 \x01(\x03\x12\x0e\n\x06misses\x18\x05 \x01(\x03\x12\x11\n\tevictions\x18\x06 \x01(\x03\x12\x10\n\x08\x62ytes_in\x18\x07 \x01(\x03\x12\x11\n\tbytes_out\x18\x08 \x01(\x03\x12\x1c\n\x14\x65xpired_reservations\x18\t \x01(\x03\x12\x12\n\nnum_spaces\x18\n \x01(\x05\x12\x18\n\x10redis_configured\x18\x0b \x01(\x08\x12\x10\n\x08redis_up\x18\x0c \x01(\x08\x12\x15\n\rredis_spilled\x18\r \x01(\x03\x12\x16\n\x0eredis_promoted\x18\x0e \x01(\x03\x12\x14\n\x0credis_errors\x18\x0f \x01(\x03\x12\x18\n\x10redis_last_error\x18\x10 \x01(\t2\x98\x03\n\x07KVStore\x12=\n\x06Lookup\x12\x18.pdmesh.v1.LookupRequest\x1a\x19.pdmesh.v1.LookupResponse\x12I\n\nReservePut\x12\x1c.pdmesh.v1.ReservePutRequest\x1a\x1d.pdmesh.v1.ReservePutResponse\x12\x46\n\tCommitPut\x12\x1b.pdmesh.v1.CommitPutRequest\x1a\x1c.pdmesh.v1.CommitPutResponse\x12=\n\x06PinGet\x12\x18.pdmesh.v1.PinGetRequest\x1a\x19.pdmesh.v1.PinGetResponse\x12@\n\x07Release\x12\x19.pdmesh.v1.ReleaseRequest\x1a\x1a.pdmesh.v1.ReleaseResponse\x12:\n\x05Stats\x12\x17.pdmesh.v1.StatsRequest\x1a\x18.pdmesh.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdmesh/v1/kv_store.proto\x12\tpdmesh.v1\x1a\x16pdmesh/v1/common.proto\"V\n\x08KeySpace\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.pdmesh.v1.KVLayout\x12\x13\n\x0bhead_offset\x18\x03 \x01(\r\"g\n\x0bStoreRegion\x12\x18\n\x10transfer_backend\x18\x01 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x02 \x01(\t\x12#\n\x06layout\x18\x03 \x01(\x0b\x32\x13.pdmesh.v1.KVLayout\"I\n\rLookupRequest\x12\"\n\x05space\x18\x01 \x01(\x0b\x32\x13.pdmesh.v1.KeySpace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\";\n\x0eLookupResponse\x12\x10\n\x08num_hits\x18\x01 \x01(\x05\x12\x17\n\x0fnum_memory_hits\x18\x02 \x01(\x05\"`\n\x11ReservePutRequest\x12\"\n\x05space\x18\x01 \x01(\x0b\x32\x13.pdmesh.v1.KeySpace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"\x86\x01\n\x12ReservePutResponse\x12\x0e\n\x06put_id\x18\x01 \x01(\t\x12\x0f\n\x07indices\x18\x02 \x03(\x05\x12\x10\n\x08slot_ids\x18\x03 \x03(\x05\x12&\n\x06region\x18\x04 \x01(\x0b\x32\x16.pdmesh.v1.StoreRegion\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\"\"\n\x10\x43ommitPutRequest\x12\x0e\n\x06put_id\x18\x01 \x01(\t\"*\n\x11\x43ommitPutResponse\x12\x15\n\rnum_committed\x18\x01 \x01(\x05\"\\\n\rPinGetRequest\x12\"\n\x05space\x18\x01 \x01(\x0b\x32\x13.pdmesh.v1.KeySpace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"\x9c\x01\n\x0ePinGetResponse\x12\x0e\n\x06pin_id\x18\x01 \x01(\t\x12\x10\n\x08slot_ids\x18\x02 \x03(\x05\x12&\n\x06region\x18\x03 \x01(\x0b\x32\x16.pdmesh.v1.StoreRegion\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\x12\x14\n\x0cnum_promoted\x18\x05 \x01(\x05\x12\x13\n\x0bgenerations\x18\x06 \x03(\x04\"G\n\x0eReleaseRequest\x12\x0e\n\x06pin_id\x18\x01 \x01(\t\x12\x10\n\x08slot_ids\x18\x02 \x03(\x05\x12\x13\n\x0bgenerations\x18\x03 \x03(\x04\" \n\x0fReleaseResponse\x12\r\n\x05valid\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xe4\x02\n\rStatsResponse\x12\x13\n\x0b\x62locks_used\x18\x01 \x01(\x03\x12\x14\n\x0c\x62locks_total\x18\x02 \x01(\x03\x12\x15\n\rblocks_pinned\x18\x03 \x01(\x03\x12\x0c\n\x04hits\x18\x04 \x01(\x03\x12\x0e\n\x06misses\x18\x05 \x01(\x03\x12\x11\n\tevictions\x18\x06 \x01(\x03\x12\x10\n\x08\x62ytes_in\x18\x07 \x01(\x03\x12\x11\n\tbytes_out\x18\x08 \x01(\x03\x12\x1c\n\x14\x65xpired_reservations\x18\t \x01(\x03\x12\x12\n\nnum_spaces\x18\n \x01(\x05\x12\x18\n\x10redis_configured\x18\x0b \x01(\x08\x12\x10\n\x08redis_up\x18\x0c \x01(\x08\x12\x15\n\rredis_spilled\x18\r \x01(\x03\x12\x16\n\x0eredis_promoted\x18\x0e \x01(\x03\x12\x14\n\x0credis_errors\x18\x0f \x01(\x03\x12\x18\n\x10redis_last_error\x18\x10 \x01(\t2\x98\x03\n\x07KVStore\x12=\n\x06Lookup\x12\x18.pdmesh.v1.LookupRequest\x1a\x19.pdmesh.v1.LookupResponse\x12I\n\nReservePut\x12\x1c.pdmesh.v1.ReservePutRequest\x1a\x1d.pdmesh.v1.ReservePutResponse\x12\x46\n\tCommitPut\x12\x1b.pdmesh.v1.CommitPutRequest\x1a\x1c.pdmesh.v1.CommitPutResponse\x12=\n\x06PinGet\x12\x18.pdmesh.v1.PinGetRequest\x1a\x19.pdmesh.v1.PinGetResponse\x12@\n\x07Release\x12\x19.pdmesh.v1.ReleaseRequest\x1a\x1a.pdmesh.v1.ReleaseResponse\x12:\n\x05Stats\x12\x17.pdmesh.v1.StatsRequest\x1a\x18.pdmesh.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,33 +33,33 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdmesh.v1.kv_store_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KEYSPACE']._serialized_start=63
-  _globals['_KEYSPACE']._serialized_end=128
-  _globals['_STOREREGION']._serialized_start=130
-  _globals['_STOREREGION']._serialized_end=233
-  _globals['_LOOKUPREQUEST']._serialized_start=235
-  _globals['_LOOKUPREQUEST']._serialized_end=308
-  _globals['_LOOKUPRESPONSE']._serialized_start=310
-  _globals['_LOOKUPRESPONSE']._serialized_end=369
-  _globals['_RESERVEPUTREQUEST']._serialized_start=371
-  _globals['_RESERVEPUTREQUEST']._serialized_end=467
-  _globals['_RESERVEPUTRESPONSE']._serialized_start=470
-  _globals['_RESERVEPUTRESPONSE']._serialized_end=604
-  _globals['_COMMITPUTREQUEST']._serialized_start=606
-  _globals['_COMMITPUTREQUEST']._serialized_end=640
-  _globals['_COMMITPUTRESPONSE']._serialized_start=642
-  _globals['_COMMITPUTRESPONSE']._serialized_end=684
-  _globals['_PINGETREQUEST']._serialized_start=686
-  _globals['_PINGETREQUEST']._serialized_end=778
-  _globals['_PINGETRESPONSE']._serialized_start=781
-  _globals['_PINGETRESPONSE']._serialized_end=937
-  _globals['_RELEASEREQUEST']._serialized_start=939
-  _globals['_RELEASEREQUEST']._serialized_end=1010
-  _globals['_RELEASERESPONSE']._serialized_start=1012
-  _globals['_RELEASERESPONSE']._serialized_end=1044
-  _globals['_STATSREQUEST']._serialized_start=1046
-  _globals['_STATSREQUEST']._serialized_end=1060
-  _globals['_STATSRESPONSE']._serialized_start=1063
-  _globals['_STATSRESPONSE']._serialized_end=1419
-  _globals['_KVSTORE']._serialized_start=1422
-  _globals['_KVSTORE']._serialized_end=1830
+  _globals['_KEYSPACE']._serialized_end=149
+  _globals['_STOREREGION']._serialized_start=151
+  _globals['_STOREREGION']._serialized_end=254
+  _globals['_LOOKUPREQUEST']._serialized_start=256
+  _globals['_LOOKUPREQUEST']._serialized_end=329
+  _globals['_LOOKUPRESPONSE']._serialized_start=331
+  _globals['_LOOKUPRESPONSE']._serialized_end=390
+  _globals['_RESERVEPUTREQUEST']._serialized_start=392
+  _globals['_RESERVEPUTREQUEST']._serialized_end=488
+  _globals['_RESERVEPUTRESPONSE']._serialized_start=491
+  _globals['_RESERVEPUTRESPONSE']._serialized_end=625
+  _globals['_COMMITPUTREQUEST']._serialized_start=627
+  _globals['_COMMITPUTREQUEST']._serialized_end=661
+  _globals['_COMMITPUTRESPONSE']._serialized_start=663
+  _globals['_COMMITPUTRESPONSE']._serialized_end=705
+  _globals['_PINGETREQUEST']._serialized_start=707
+  _globals['_PINGETREQUEST']._serialized_end=799
+  _globals['_PINGETRESPONSE']._serialized_start=802
+  _globals['_PINGETRESPONSE']._serialized_end=958
+  _globals['_RELEASEREQUEST']._serialized_start=960
+  _globals['_RELEASEREQUEST']._serialized_end=1031
+  _globals['_RELEASERESPONSE']._serialized_start=1033
+  _globals['_RELEASERESPONSE']._serialized_end=1065
+  _globals['_STATSREQUEST']._serialized_start=1067
+  _globals['_STATSREQUEST']._serialized_end=1081
+  _globals['_STATSRESPONSE']._serialized_start=1084
+  _globals['_STATSRESPONSE']._serialized_end=1440
+  _globals['_KVSTORE']._serialized_start=1443
+  _globals['_KVSTORE']._serialized_end=1851
 # @@protoc_insertion_point(module_scope)

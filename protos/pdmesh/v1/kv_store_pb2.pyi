@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KeySpace(_message.Message):
-    __slots__ = ("model_id", "layout")
+    __slots__ = ("model_id", "layout", "head_offset")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    HEAD_OFFSET_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     layout: _common_pb2.KVLayout
-    def __init__(self, model_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ...) -> None: ...
+    head_offset: int
+    def __init__(self, model_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., head_offset: _Optional[int] = ...) -> None: ...
 
 class StoreRegion(_message.Message):
     __slots__ = ("transfer_backend", "transfer_endpoint", "layout")
