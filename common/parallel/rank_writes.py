@@ -243,6 +243,7 @@ class RankWriters:
         with self._lock:
             self._gone[i] = self._gone[i] or why
             pending, self._pending[i] = self._pending[i], {}
+            self._reads.difference_update(pending)
         for future in pending.values():
             if not future.done():
                 future.set_exception(TransferError(why, unsettled=True))

@@ -163,7 +163,8 @@ def _start_transfer(spec: WorkerSpec, kv_cache, writes_conn) -> bytes:
         sync = None if device.type == "cpu" else (lambda: torch.accelerator.synchronize(device))
         threading.Thread(target=serve_writes, args=(writes_conn, KVSender(transfer, layout), sync),
                          name="rank-writes", daemon=True).start()
-    return common_pb2.KVRank(transfer_endpoint=transfer.endpoint, layout=layout.to_proto()).SerializeToString()
+    return common_pb2.KVRank(transfer_endpoint=transfer.endpoint, layout=layout.to_proto(),
+                             listen_addresses=list(transfer.listen_addresses)).SerializeToString()
 
 
 def _serve(group, runner) -> None:

@@ -125,17 +125,25 @@ class KVStoreClient:
         left = expires_at - time.monotonic()
         return min(self.timeouts.transfer_s, left / 2) if left > self.timeouts.transfer_bound_s else 0.0
 
+    def _under_lease(self, expires_at: float, move) -> int:
+        """On an executor thread: move(timeout_s) with the timeout taken when it starts (the
+        executor may have queued it), ValueError (nothing moved) when too little of the
+        lease is left by then."""
+        timeout_s = self._time_left(expires_at)
+        if timeout_s <= 0:
+            raise ValueError("too little of the lease was left when the transfer could start")
+        return move(timeout_s)
+
     async def fetch(self, pinned: Pinned, first: int, last: int, block_ids: Sequence[int]) -> bool:
         """Read pinned slots [first, last) into the local blocks block_ids; False on failure
         (or too little of the pin's lease left to start). Valid only if release() says so."""
-        timeout_s = self._time_left(pinned.expires_at)
-        if timeout_s <= 0:
+        if self._time_left(pinned.expires_at) <= 0:
             return False
+        src, dst = pinned.slot_ids[first:last], list(block_ids)
         try:
             await asyncio.get_running_loop().run_in_executor(
-                self.executor, lambda: self.sender.fetch_blocks(
-                    pinned.endpoint, pinned.layout, pinned.slot_ids[first:last], list(block_ids),
-                    timeout_s=timeout_s))
+                self.executor, self._under_lease, pinned.expires_at, lambda timeout_s: self.sender.fetch_blocks(
+                    pinned.endpoint, pinned.layout, src, dst, timeout_s=timeout_s))
         except (TransferError, ValueError) as e:
             self._failed("read", e)
             pinned.unsettled = pinned.unsettled or getattr(e, "unsettled", False)
@@ -172,15 +180,14 @@ class KVStoreClient:
                 self._ok()
                 return 0
             layout = self._region_usable(reply.region)
-            timeout_s = self._time_left(asked + reply.lease_seconds)
-            if layout is None or timeout_s <= 0:
+            expires_at = asked + reply.lease_seconds
+            if layout is None or self._time_left(expires_at) <= 0:
                 return 0  # the reservation expires
-            src = [block_ids[i] for i in reply.indices]
+            src, dst = [block_ids[i] for i in reply.indices], list(reply.slot_ids)
             try:
                 await asyncio.get_running_loop().run_in_executor(
-                    self.executor, lambda: self.sender.send_blocks(
-                        reply.region.transfer_endpoint, layout, src, list(reply.slot_ids),
-                        timeout_s=timeout_s))
+                    self.executor, self._under_lease, expires_at, lambda timeout_s: self.sender.send_blocks(
+                        reply.region.transfer_endpoint, layout, src, dst, timeout_s=timeout_s))
             except (TransferError, ValueError) as e:
                 self._failed("write", e)
                 return 0

@@ -6,8 +6,11 @@ process. So each rank stores and loads its own heads, in a key space of its own
 KVSender, a worker's WorkerSender); the hash chain is the node's, the same for all.
 
     pin      every rank's PinGet; the leading hits are those every rank holds (a rank's
-             space evicts on its own), and none when any rank's pin failed
-    fetch    every rank reads its slots at once; the load counts only if all did
+             space evicts on its own), and none when any rank's pin failed (the others
+             are released)
+    fetch    every rank reads its slots at once, and returns only once every read ended;
+             the load counts only if all did. A rank's read that raised may have left
+             bytes in flight: its pin is marked unsettled
     release  every pin; the read is valid only if every rank's was
     put      one rank per distinct head offset (ranks that replicate heads share a space)
 
@@ -18,10 +21,13 @@ unsettled. A node at TP 1 uses its KVStoreClient directly.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.kv_store.client import KVStoreClient, Pinned
+
+log = logging.getLogger("pdmesh.kv_store.client")
 
 
 @dataclass
@@ -58,25 +64,37 @@ class RankStoreClients:
         return await self.clients[0].answers(timeout_s)
 
     async def pin(self, hashes: Sequence[bytes], token_ids: Sequence[int]) -> RankPins | None:
-        pins = await asyncio.gather(*(c.pin(hashes, token_ids) for c in self.clients))
-        if all(p is not None for p in pins):
+        pins = await asyncio.gather(*(c.pin(hashes, token_ids) for c in self.clients), return_exceptions=True)
+        if all(isinstance(p, Pinned) for p in pins):
             return RankPins(list(pins))
-        await asyncio.gather(*(c.release(p) for c, p in zip(self.clients, pins) if p is not None))
+        await self._release_all([(c, p) for c, p in zip(self.clients, pins) if isinstance(p, Pinned)])
         return None
 
     async def fetch(self, pinned: RankPins, first: int, last: int, block_ids: Sequence[int]) -> bool:
         done = await asyncio.gather(*(c.fetch(p, first, last, block_ids)
-                                      for c, p in zip(self.clients, pinned.pins)))
-        return all(done)
+                                      for c, p in zip(self.clients, pinned.pins)), return_exceptions=True)
+        for p, d in zip(pinned.pins, done):
+            if isinstance(d, BaseException):   # it may have left bytes in flight
+                log.warning("a tensor-parallel rank's kv-store read raised %s: %s", type(d).__name__, d)
+                p.unsettled = True
+        return all(d is True for d in done)
 
     async def release(self, pinned: RankPins) -> bool:
-        valid = await asyncio.gather(*(c.release(p) for c, p in zip(self.clients, pinned.pins)))
-        return all(valid)
+        return await self._release_all(list(zip(self.clients, pinned.pins)))
+
+    @staticmethod
+    async def _release_all(pins: Sequence[tuple[KVStoreClient, Pinned]]) -> bool:
+        """Release each (client, pin); True when every one was valid (a release that raised
+        was not: the pin's lease ends it)."""
+        valid = await asyncio.gather(*(c.release(p) for c, p in pins), return_exceptions=True)
+        return all(v is True for v in valid)
 
     async def put(self, block_ids: Sequence[int], hashes: Sequence[bytes], token_ids: Sequence[int]) -> int:
-        """Blocks that every head offset's space now holds, at least (its min)."""
-        written = await asyncio.gather(*(c.put(block_ids, hashes, token_ids) for c in self.putting))
-        return min(written)
+        """Blocks written into every head offset's space, at least (the min; a put that
+        raised wrote none)."""
+        written = await asyncio.gather(*(c.put(block_ids, hashes, token_ids) for c in self.putting),
+                                       return_exceptions=True)
+        return min(w if isinstance(w, int) else 0 for w in written)
 
     async def close(self) -> None:
         for c in self.clients:

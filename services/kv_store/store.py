@@ -9,7 +9,8 @@
 
 Key spaces: one per (model id, space_key: the layout_key and, for a tensor-parallel rank's
 heads, their head offset), each with its own pool of kv_store.capacity_mb
-(a space fills and evicts only its own slots), at most kv_store.max_spaces of them. A new
+(a space fills and evicts only its own slots; a TP-N node's ranks fill N of them), at most
+kv_store.max_spaces (model id, layout_key) pairs, however many head offsets each has. A new
 one is made only for a model that a live member of the mesh serves with that layout
 (`admit_space`, awaited by the servicer before a call that would make one; the members
 come from the meta-server, services/node/members_view.py): so a caller cannot fill
@@ -121,8 +122,10 @@ class KVStore:
         space = self.spaces.get(key)
         if space is not None or not create:
             return space
-        if len(self.spaces) >= self.cfg.max_spaces:
-            raise SpacesExhausted(f"the store holds {len(self.spaces)} key spaces (kv_store.max_spaces); "
+        # a tensor-parallel node's ranks make one space each: they count once
+        families = {(sp.model_id, layout_key(sp.memory.layout)) for sp in self.spaces.values()}
+        if (model_id, layout_key(layout)) not in families and len(families) >= self.cfg.max_spaces:
+            raise SpacesExhausted(f"the store holds {len(families)} key spaces (kv_store.max_spaces); "
                                   f"{model_id} {key[1]} is not one of them")
         per_slot = layout.num_layers * 2 * layout.block_bytes
         num_slots = int(self.cfg.capacity_mb * (1 << 20)) // per_slot

@@ -27,8 +27,9 @@ def node_info_error(node) -> str:
             return f"node.{name} must be at most {MAX_FIELD_CHARS} characters"
     if node.transfer_backend and node.transfer_backend not in TRANSFER_BACKENDS:
         return f"node.transfer_backend must be one of {', '.join(TRANSFER_BACKENDS)}"
-    if len(node.transfer_listen_addresses) > 8 or any(len(a) > MAX_FIELD_CHARS for a in node.transfer_listen_addresses):
-        return f"node.transfer_listen_addresses: at most 8 of at most {MAX_FIELD_CHARS} characters each"
+    most = 8 * max(len(node.kv_ranks), 1)   # an engine opens two (handshake, data) of its own
+    if len(node.transfer_listen_addresses) > most or any(len(a) > MAX_FIELD_CHARS for a in node.transfer_listen_addresses):
+        return f"node.transfer_listen_addresses: at most {most} of at most {MAX_FIELD_CHARS} characters each"
     for where, layout in (("node.kv_layout", node.kv_layout),
                           *((f"node.kv_ranks[{i}].layout", r.layout) for i, r in enumerate(node.kv_ranks))):
         if len(layout.dtype) > 32 or len(layout.strides) > 8:
@@ -39,6 +40,9 @@ def node_info_error(node) -> str:
         return "node.kv_ranks must be empty or one entry per tensor-parallel rank"
     if any(len(r.transfer_endpoint) > MAX_FIELD_CHARS for r in node.kv_ranks):
         return f"node.kv_ranks[].transfer_endpoint must be at most {MAX_FIELD_CHARS} characters"
+    if any(len(r.listen_addresses) > 8 or any(len(a) > MAX_FIELD_CHARS for a in r.listen_addresses)
+           for r in node.kv_ranks):
+        return f"node.kv_ranks[].listen_addresses: at most 8 of at most {MAX_FIELD_CHARS} characters each"
     if node.kv_ranks and (node.kv_ranks[0].transfer_endpoint != node.transfer_endpoint
                           or node.kv_ranks[0].layout != node.kv_layout):
         return "node.kv_ranks[0] must repeat node.transfer_endpoint and node.kv_layout (rank 0)"

@@ -27,7 +27,7 @@ from common.transfer.layout import KVLayout
 from common.transfer.factory import create_transfer
 from protos.pdmesh.v1 import common_pb2, engine_pb2
 from services.node import grpc_util
-from common.parallel.rank_writes import WorkerSender
+from common.parallel.rank_writes import RankWriters, WorkerSender
 from common.parallel.shard import plan_shard
 from services.kv_store.client import KVStoreClient
 from services.kv_store.rank_clients import RankStoreClients
@@ -78,6 +78,23 @@ def node_transfer(mesh: MeshConfig, advertised_host: str) -> TransferEngine:
     return create_transfer(mesh.transfer.backend, **transfer_options(mesh, advertised_host))
 
 
+class NodeBytes:
+    """KV bytes every rank of a node moved: rank 0's transfer engine and, at TP > 1, its
+    workers' (what they reported to rank 0's RankWriters)."""
+
+    def __init__(self, transfer: TransferEngine, writers: RankWriters | None):
+        self.transfer, self.writers = transfer, writers
+
+    @property
+    def bytes_written(self) -> int:
+        """Acknowledged by the peers."""
+        return self.transfer.bytes_written + (self.writers.bytes_written if self.writers else 0)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.transfer.bytes_read + (self.writers.bytes_read if self.writers else 0)
+
+
 class EngineNode:
     def __init__(self, mesh: MeshConfig, node: NodeConfig):
         self.mesh, self.node = mesh, node
@@ -114,7 +131,8 @@ class EngineNode:
         self.stalled = False        # set by NodeHealth: reported in load.stalled
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.peer_limits = grpc_util.PeerLimits(grpc_util.MAX_CALLS_PER_PEER)   # calls to peer nodes
-        self.metrics = NodeMetrics(node.node_id, self.engine.snapshot, self.transfer)   # served by the node server
+        self.moved = NodeBytes(self.transfer, self.rank_writers)
+        self.metrics = NodeMetrics(node.node_id, self.engine.snapshot, self.moved)   # served by the node server
 
     def _store_client(self, address: str) -> KVStoreClient | RankStoreClients:
         """The kv-store handle: at TP > 1 one client per rank, each storing that rank's
@@ -155,9 +173,14 @@ class EngineNode:
             model_id=self.engine.model_id, transfer_backend=self.transfer.name,
             transfer_endpoint=self.transfer.endpoint, kv_layout=self.layout.to_proto(),
             load=self.load(stats), max_model_len=self.engine.max_model_len,
-            transfer_listen_addresses=list(self.transfer.listen_addresses),
+            transfer_listen_addresses=self.listen_addresses(),
             tensor_parallel_size=self.llm_engine.config.tensor_parallel_size,
             kv_ranks=self.kv_ranks if len(self.kv_ranks) > 1 else ())
+
+    def listen_addresses(self) -> list[str]:
+        """What the transfer listeners of every rank of this node admit, rank 0's first."""
+        own = list(self.transfer.listen_addresses)
+        return own + [a for r in self.kv_ranks[1:] for a in r.listen_addresses if a not in own]
 
     def load(self, stats: dict[str, int]) -> common_pb2.NodeLoad:
         return common_pb2.NodeLoad(running=stats["running"] + stats["kv_remote"],
@@ -165,7 +188,7 @@ class EngineNode:
                                    total_blocks=stats["total_blocks"], stalled=self.stalled,
                                    cached_blocks=stats["cached_blocks"],
                                    quarantined_blocks=stats["quarantined_blocks"],
-                                   transfer_bytes_written=self.bytes_written())
+                                   transfer_bytes_written=self.moved.bytes_written)
 
     async def engine_stats(self, pending_transfers: int = 0) -> engine_pb2.EngineStats:
         s = await self.engine.stats()
@@ -175,15 +198,11 @@ class EngineNode:
             total_blocks=s["total_blocks"], pending_transfers=pending_transfers,
             prefix_hit_tokens=s["prefix_hit_tokens"], preemptions=s["preemptions"],
             quarantined_blocks=s["quarantined_blocks"], kv_remote=s["kv_remote"], held=s["held"],
-            transfer_bytes_written=self.bytes_written(),
-            transfer_bytes_read=self.transfer.bytes_read + (self.rank_writers.bytes_read if self.rank_writers else 0),
+            transfer_bytes_written=self.moved.bytes_written, transfer_bytes_read=self.moved.bytes_read,
             rank_bytes_written=self.rank_writers.bytes_written if self.rank_writers else 0,
             kv_blocks_staged=self.staging.pool.num_staged if self.staging else 0,
             rank_bytes_read=self.rank_writers.bytes_read if self.rank_writers else 0)
 
-    def bytes_written(self) -> int:
-        """KV bytes peers acknowledged, from every rank of this node."""
-        return self.transfer.bytes_written + (self.rank_writers.bytes_written if self.rank_writers else 0)
 
     def channel(self, address: str) -> grpc.aio.Channel:
         """A long-lived channel to a peer node (connections are reused across requests)."""

@@ -63,7 +63,7 @@ class EngineCollector:
                       s["prefix_query_tokens"])
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s["prefix_hit_tokens"])
         yield counter("num_preemptions", "Requests preempted (recomputed later).", s["preemptions"])
-        moved = CounterMetricFamily(name("kv_transfer_bytes"), "KV bytes moved by the transfer engine.",
+        moved = CounterMetricFamily(name("kv_transfer_bytes"), "KV bytes moved by the node's transfer engines (every rank).",
                                     labels=["node", "direction"])
         moved.add_metric([self.node_id, "write"], self.transfer.bytes_written)
         moved.add_metric([self.node_id, "read"], self.transfer.bytes_read)

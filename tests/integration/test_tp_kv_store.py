@@ -5,7 +5,8 @@ Each rank stores its own KV heads in a key space of its own (KeySpace.head_offse
 2 of the tiny llama's 4 heads). A 512-token prefix computed on one prefill node is put by
 both of its ranks; the next request with that prefix goes to the other node (round
 robin), whose two ranks each read their 32 blocks from the store (the worker's read is
-counted in its node's rank_bytes_read), and still gives exactly the offline engine's
+counted in its node's rank_bytes_read and, with rank 0's, in its Prometheus
+kv_transfer_bytes_total), and still gives exactly the offline engine's
 tokens: a rank that loaded another's heads, or none, would change them. The store refuses
 a key space whose head offset no rank of a live node has."""
 from __future__ import annotations
@@ -20,7 +21,9 @@ from common.transfer.layout import KVLayout
 from protos.pdmesh.v1 import kv_store_pb2, kv_store_pb2_grpc
 from tests.channels import operator_channel_sync
 from tests.integration.conftest import ENGINE, engine_stats, launch, mesh_dict
+from services.node.grpc_util import free_port
 from tests.integration.test_kv_store_mesh import PREFIX, TAILS, store_stats, wait_stored
+from tests.integration.test_metrics_mesh import scrape, total
 from tests.integration.test_mesh import assert_no_blocks_in_use, request, stream
 from tests.integration.test_tp_mesh import members
 
@@ -37,6 +40,7 @@ def mesh(model, tmp_path_factory):
     raw = mesh_dict(model, NODES, policy="round_robin", top={"kv_store": {"port": 0, "capacity_mb": 64}})
     for node in raw["nodes"]:
         node["engine"] = {"tensor_parallel_size": 2}
+        node["metrics_port"] = free_port()
     m = launch(tmp_path_factory.mktemp("tp-store"), raw)
     yield m
     m.stop()
@@ -80,6 +84,11 @@ def test_each_rank_stores_and_loads_its_own_heads(mesh, cold_tokens):
     assert sorted(loaded.values()) == [0, per_rank]
     reader = next(n for n, b in loaded.items() if b)
     assert after[reader].transfer_bytes_read - before[reader].transfer_bytes_read == 2 * per_rank
+    for node_id, stats in after.items():   # Prometheus counts every rank's bytes too
+        samples = scrape(mesh, node_id)
+        assert total(samples, "pdmesh:kv_transfer_bytes_total", direction="read") == stats.transfer_bytes_read
+        assert total(samples, "pdmesh:kv_transfer_bytes_total", direction="write") == stats.transfer_bytes_written
+        assert stats.transfer_bytes_written > stats.rank_bytes_written > 0
     assert_no_blocks_in_use(mesh)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -88,6 +89,46 @@ def test_a_tp2_node_serves_the_offline_tokens(mesh, expected):  # noqa: F811
     counts = routed(mesh)
     assert counts["n0"] >= len(MAX_TOKENS) // 2 - 1 and counts["n1"] >= 1, counts
     assert_no_blocks_in_use(mesh)
+
+
+def listening_sockets(pid: int) -> dict[int, str]:
+    """TCP port -> the address process `pid` listens on there (its socket fds, matched in
+    /proc/PID/net/tcp{,6})."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = {}
+    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]:
+            p = line.split()
+            if p[3] == "0A" and p[9] in inodes:   # LISTEN
+                addr, port = p[1].split(":")
+                raw = bytes.fromhex(addr)
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found[int(port, 16)] = socket.inet_ntop(family, raw)
+    return found
+
+
+def test_node_info_lists_every_ranks_transfer_listeners(mesh):
+    """The worker's Mooncake engine opens listeners of its own (bound to the wildcard, and
+    filtered to the configured host): NodeInfo must say what they admit, as it does for
+    rank 0's, for the firewall rules and `pdmesh admin nodes`."""
+    [worker] = rank_workers(mesh.services["n0"].process.pid)
+    info = members(mesh)["n0"]
+    [_, worker_rank] = info.kv_ranks
+    assert worker_rank.listen_addresses and set(worker_rank.listen_addresses) <= set(info.transfer_listen_addresses)
+    listed = {int(a.rpartition(":")[2]) for a in info.transfer_listen_addresses}
+    sockets = listening_sockets(worker)
+    assert {int(a.rpartition(":")[2]) for a in worker_rank.listen_addresses} <= set(sockets)
+    # the others are gloo's pair listeners, on loopback
+    assert all(addr == "127.0.0.1" for port, addr in sockets.items() if port not in listed), sockets
+    assert all(addr in ("0.0.0.0", "::") for port, addr in sockets.items() if port in listed), sockets
+    assert all(not a.startswith(("0.0.0.0", "[::]")) for a in info.transfer_listen_addresses)
 
 
 def test_kill_9_of_a_rank_takes_the_node_out_and_the_mesh_serves_on(mesh, expected):  # noqa: F811

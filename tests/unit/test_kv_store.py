@@ -91,6 +91,16 @@ def test_pin_checks_the_stored_tokens(cache):
     assert asyncio.run(store.pin_get("m", cache.layout, hashes, wrong))[1] == [0]
 
 
+def test_a_tensor_parallel_nodes_head_offsets_count_once_against_max_spaces(cache):
+    store = new_store(8, cache, max_spaces=1)
+    hashes = chain(TOKENS, "m", cache.layout)
+    for offset in (0, 2, 4, 6):              # a TP-4 node's ranks
+        store.reserve_put("m", cache.layout, hashes, TOKENS, head_offset=offset)
+    assert len(store.spaces) == 4
+    with pytest.raises(SpacesExhausted, match="the store holds 1 key spaces"):
+        store.reserve_put("other", cache.layout, chain(TOKENS, "other", cache.layout), TOKENS)
+
+
 def test_max_spaces_is_enforced(cache):
     store = new_store(8, cache, max_spaces=1)
     put_blocks(store, cache, "a", TOKENS, [0, 1, 2, 3])

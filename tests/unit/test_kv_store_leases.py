@@ -117,3 +117,23 @@ def test_a_put_that_outlives_its_reservation_is_a_miss_and_lands_nowhere_in_use(
         served = reader.blocks([0, 1])
         assert served == writer.blocks([0, 1]) != late_writer.blocks([0, 1])
     run(scenario)
+
+
+def test_a_put_queued_behind_other_transfers_past_its_lease_never_starts():
+    """The node's executor is shared with KV pushes: a put that gets a thread only once
+    its reservation is nearly over (less than transfer_bound_s left) writes nothing, so no
+    late bytes can land in slots that another put reserved since."""
+    async def scenario(store, writer, reader, _):
+        hashes = chain(TOKENS, "m", writer.cache.layout)
+        busy = [writer.executor.submit(time.sleep, SHORT.kv_store_reserve_lease_s) for _ in range(2)]
+        assert await writer.client.put([0, 1], hashes, TOKENS) == 0
+        assert writer.cache.transfer.bytes_written == 0
+        for f in busy:
+            f.result()
+        assert await reader.client.put([0, 1], hashes, TOKENS) == 0     # reserved by the first until it lapses
+        await asyncio.sleep(SHORT.kv_store_reserve_lease_s)
+        store.expire()                                                  # then its slots cool
+        await asyncio.sleep(SHORT.transfer_bound_s)
+        store.expire()
+        assert await writer.client.put([0, 1], hashes, TOKENS) == 2
+    run(scenario)

@@ -31,6 +31,9 @@ def test_a_plain_node_and_a_tp_node_with_one_entry_per_rank_pass():
     assert node_info_error(info(tensor_parallel_size=2, kv_ranks=ranks, transfer_endpoint="127.0.0.1:1",
                                 kv_layout=LAYOUT)) == ""
     assert node_info_error(info(tensor_parallel_size=2)) == ""
+    # every rank's engine has listeners of its own: 8 addresses a rank
+    assert node_info_error(info(tensor_parallel_size=2, kv_ranks=ranks, transfer_endpoint="127.0.0.1:1",
+                                kv_layout=LAYOUT, transfer_listen_addresses=["127.0.0.1:7"] * 16)) == ""
 
 
 @pytest.mark.parametrize("ranks,error", [
@@ -51,13 +54,16 @@ def test_rank_entries_must_agree_with_what_rank_0_published(ranks, error):
     ({"kv_ranks": [common_pb2.KVRank(transfer_endpoint="x" * 300)]}, "transfer_endpoint must be at most 256"),
     ({"kv_ranks": [common_pb2.KVRank(layout=common_pb2.KVLayout(strides=[1] * 9))]},
      r"node.kv_ranks\[0\].layout: dtype at most 32 characters, at most 8 strides"),
+    ({"kv_ranks": [common_pb2.KVRank(listen_addresses=["127.0.0.1:1"] * 9)]},
+     r"node.kv_ranks\[\].listen_addresses: at most 8 of at most 256 characters each"),
+    ({"transfer_listen_addresses": ["127.0.0.1:1"] * 9}, "node.transfer_listen_addresses: at most 8 of"),
     ({"role": "boss"}, "node.role must be one of prefill, decode, both"),
 ])
 def test_bad_fields_are_named(fields, error):
     msg = info()
     for name, value in fields.items():
-        if name == "kv_ranks":
-            msg.kv_ranks.extend(value)
+        if name in ("kv_ranks", "transfer_listen_addresses"):
+            getattr(msg, name).extend(value)
         else:
             setattr(msg, name, value)
     assert re.search(error, node_info_error(msg)), node_info_error(msg)

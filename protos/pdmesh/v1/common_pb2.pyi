@@ -121,12 +121,14 @@ class NodeInfo(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., transfer_backend: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., kv_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., transfer_listen_addresses: _Optional[_Iterable[str]] = ..., tensor_parallel_size: _Optional[int] = ..., kv_ranks: _Optional[_Iterable[_Union[KVRank, _Mapping]]] = ...) -> None: ...
 
 class KVRank(_message.Message):
-    __slots__ = ("transfer_endpoint", "layout")
+    __slots__ = ("transfer_endpoint", "layout", "listen_addresses")
     TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LISTEN_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     transfer_endpoint: str
     layout: KVLayout
-    def __init__(self, transfer_endpoint: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+    listen_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, transfer_endpoint: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., listen_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefillTiming(_message.Message):
     __slots__ = ("queue_ms", "compute_ms", "transfer_ms", "remote")
