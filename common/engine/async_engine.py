@@ -52,6 +52,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any, Callable
 
+from common.timeline import mark
 from common.config import EngineConfig
 from common.engine.lifecycle import RequestState
 from common.engine.llm_engine import LLMEngine, StepOutput
@@ -293,6 +294,7 @@ class AsyncEngine(EngineView):
             self.engine.fail_remote(seq.request_id, writer_settled=True)  # nobody fills it
             return
         args = (seq, remote, list(seq.block_ids), seq.num_computed_tokens)
+        mark("decode.admitted", seq.request_id)
         loop = box._loop
         if running_loop() is loop:
             loop.call_soon(self._start_fill, *args)
@@ -327,6 +329,7 @@ class AsyncEngine(EngineView):
             return
         if request_id in self._remote:
             await self._run_on_engine(lambda: self._commit(request_id, filled), in_forward=True)
+            mark("decode.committed", request_id)
 
     def _commit(self, request_id: str, filled: KVFilled) -> None:
         """Engine side (in_forward): the first token is emitted here, at once."""

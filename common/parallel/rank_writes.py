@@ -50,8 +50,18 @@ log = logging.getLogger("pdmesh.engine")
 WRITE_THREADS = 4      # as the node's own KV executor: writes of several requests at once
 
 
+class _Deadlines:
+    """An order starts by `not_after` or not at all; its transfer then ends within
+    2 x `timeout_s` (the fields of the dataclasses below)."""
+
+    @property
+    def answer_by(self) -> float:
+        """When rank 0 stops waiting for its answer (monotonic)."""
+        return self.not_after + 2 * self.timeout_s
+
+
 @dataclass(frozen=True)
-class WriteOrder:
+class WriteOrder(_Deadlines):
     """One batched write of the worker's blocks into a peer rank (KVSender.send_blocks)."""
 
     peer: str
@@ -64,11 +74,6 @@ class WriteOrder:
     head_offset: int | None
     not_after: float                # time.monotonic() past which it must not start
 
-    @property
-    def answer_by(self) -> float:
-        """When rank 0 stops waiting for its answer (monotonic)."""
-        return self.not_after + 2 * self.timeout_s
-
     def run(self, sender) -> int:
         return sender.send_blocks(self.peer, self.dst_layout, self.src_block_ids, self.dst_block_ids,
                                   layers=self.layers, last_block_tokens=self.last_block_tokens,
@@ -76,7 +81,7 @@ class WriteOrder:
 
 
 @dataclass(frozen=True)
-class ReadOrder:
+class ReadOrder(_Deadlines):
     """One batched read of a peer's blocks into the worker's own (KVSender.fetch_blocks)."""
 
     peer: str
@@ -84,11 +89,7 @@ class ReadOrder:
     src_block_ids: tuple[int, ...]
     dst_block_ids: tuple[int, ...]
     timeout_s: float
-    not_after: float                # time.monotonic() past which it must not start
-
-    @property
-    def answer_by(self) -> float:
-        return self.not_after + 2 * self.timeout_s
+    not_after: float
 
     def run(self, sender) -> int:
         return sender.fetch_blocks(self.peer, self.src_layout, self.src_block_ids, self.dst_block_ids,

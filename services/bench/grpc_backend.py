@@ -9,9 +9,11 @@ with its status code name as the error.
 from __future__ import annotations
 
 import time
+import uuid
 
 import grpc
 
+from common import timeline
 from protos.pdmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.bench.base import Backend, ModelInfo
 from services.bench.datasets import BenchRequest
@@ -50,10 +52,13 @@ class GrpcBackend(Backend):
 
     async def one_request(self, req: BenchRequest) -> RequestResult:
         result = RequestResult(num_prompt_tokens=req.num_prompt_tokens)
+        message = _message(req, self.model)
+        message.request_id = uuid.uuid4().hex   # the key of its timeline (common/timeline.py)
         start = time.perf_counter()
+        timeline.mark("client.sent", message.request_id)
         last = None
         try:
-            async for msg in self._stub.Generate(_message(req, self.model), timeout=self.timeout_s):
+            async for msg in self._stub.Generate(message, timeout=self.timeout_s):
                 now = time.perf_counter()
                 if msg.HasField("prefill_timing") and msg.prefill_timing.remote:
                     t = msg.prefill_timing
@@ -61,6 +66,7 @@ class GrpcBackend(Backend):
                 if msg.token_ids:
                     if last is None:
                         result.ttft_s = now - start
+                        timeline.mark("client.first", message.request_id)
                     else:
                         result.itl_s.append(now - last)
                     last = now

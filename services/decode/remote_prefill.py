@@ -37,6 +37,7 @@ import time
 
 import grpc
 
+from common.timeline import mark
 from common.engine.remote_kv import KVFilled
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.node.grpc_util import refuses_connections
@@ -98,9 +99,11 @@ class RemotePrefill:
                 self.num_refused += 1
                 continue
             self._unsettled = True
+            mark("decode.prefill_sent", self.request.request_id)
             self._call = self._stub(info).Prefill(request, timeout=timeout)
             try:
                 self.reply = await self._call
+                mark("decode.prefill_answered", self.request.request_id)
             except grpc.aio.AioRpcError as e:
                 self._unsettled = not answered_settled(e)
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not self._unsettled:

@@ -21,6 +21,7 @@ import time
 
 import grpc
 
+from common.timeline import mark
 from common.engine.async_engine import EngineDeadError
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from common.engine.validation import validate_resume_position
@@ -37,6 +38,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
 
     async def Generate(self, request, context):
         rid, prompt = request.request_id, list(request.prompt_token_ids)
+        mark("decode.in", rid)
         engine = self.node.engine
         try:
             params = sampling_from_proto(request.sampling)
@@ -62,6 +64,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
                 if out.new_logprobs:
                     reply.logprobs.extend(logprobs_to_proto(lp) for lp in out.new_logprobs)
                 if num_out == 0:
+                    mark("decode.first_out", rid)
                     reply.prefill_timing.CopyFrom(self._timing(remote, out, time.perf_counter() - start))
                     self.node.metrics.queue_time.observe(out.queue_s)
                 num_out += len(out.new_token_ids)

@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from common import timeline
 from common.config import TimeoutConfig
 from common.engine.stop_strings import StopStringMatcher
 from common.model.detokenizer import IncrementalDetokenizer
@@ -96,10 +97,15 @@ class RequestStream:
         while True:
             route = await self._route()
             node = route.decode
-            call = self.decode.generate(node.address, self._downstream(route), _remaining(self.deadline))
+            downstream = self._downstream(route)
+            timeline.link(self.request.request_id, downstream.request_id)
+            timeline.mark("gateway.decode_sent", self.request.request_id)
+            call = self.decode.generate(node.address, downstream, _remaining(self.deadline))
             sent_here = 0
             try:
                 async for msg in self._watched(call, node):
+                    if not self.tokens:
+                        timeline.mark("gateway.first_in", self.request.request_id)
                     reply, done = self._reply(msg, first=not self.tokens)
                     sent_here += len(msg.token_ids)
                     yield reply
@@ -118,10 +124,15 @@ class RequestStream:
     async def _route(self) -> meta_pb2.RouteResponse:
         prompt = self.prompt_ids + self.tokens
         try:
-            return await self.meta.route(meta_pb2.RouteRequest(
+            asked = meta_pb2.RouteRequest(
                 request_id=uuid.uuid4().hex, model_id=self.model_id, num_prompt_tokens=len(prompt),
-                block_hashes=await self.block_hashes(prompt), exclude_node_ids=self.excluded),
-                timeout=min(self.timeouts.route_s, _remaining(self.deadline)), deadline=self.deadline)
+                block_hashes=await self.block_hashes(prompt), exclude_node_ids=self.excluded)
+            timeline.link(self.request.request_id, asked.request_id)
+            timeline.mark("gateway.route_sent", self.request.request_id)
+            route = await self.meta.route(asked, timeout=min(self.timeouts.route_s, _remaining(self.deadline)),
+                                          deadline=self.deadline)
+            timeline.mark("gateway.routed", self.request.request_id)
+            return route
         except grpc.aio.AioRpcError as e:
             said = f"Route: {e.code().name} {e.details()}"
             if time.monotonic() >= self.deadline:

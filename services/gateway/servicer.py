@@ -25,6 +25,7 @@ from contextlib import aclosing
 
 import grpc
 
+from common.timeline import mark
 from common.config import LimitsConfig, TimeoutConfig
 from common.engine.sampling_params import SamplingParams
 from common.engine.validation import validate_length, validate_request, validate_sampling
@@ -160,13 +161,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(self, request, context):
         if isinstance(request, BadRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        mark("gateway.in", request.request_id)
         try:
             stream = await self.open_stream(request, self.deadline(context.time_remaining()))
         except PublicError as e:
             await _abort(context, e)
+        first = True
         try:
             async with aclosing(self.replies(stream)) as replies:
                 async for reply in replies:
+                    if first and reply.token_ids:
+                        first = False
+                        mark("gateway.first_out", request.request_id)
                     yield reply
         except PublicError as e:
             await _abort(context, e)

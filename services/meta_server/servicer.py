@@ -14,6 +14,7 @@ from services.meta_server.registry import RegistrationConflictError, Registratio
 from services.meta_server.router import NoNodeError, RouteRequest
 from services.meta_server.store_hits import StoreHits
 from services.security.server_auth import peer_service_name
+from common.timeline import mark
 
 
 def route_request(request: meta_pb2.RouteRequest, store_hit_blocks: int = 0) -> RouteRequest:
@@ -72,6 +73,7 @@ class MetaServicer(meta_pb2_grpc.MetaServerServicer):
         return meta_pb2.DeregisterResponse()
 
     async def Route(self, request, context):
+        mark("meta.route_in", request.request_id)
         standby = self.control.standby_reason()
         if standby:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, standby)
@@ -88,6 +90,7 @@ class MetaServicer(meta_pb2_grpc.MetaServerServicer):
         if decision.prefill is not None:
             reply.prefill.CopyFrom(decision.prefill.info)
             reply.prefill_fallbacks.extend(m.info for m in decision.prefill_fallbacks)
+        mark("meta.route_out", request.request_id)
         return reply
 
     async def ListMembers(self, request, context):

@@ -34,6 +34,7 @@ from collections import OrderedDict
 
 import grpc
 
+from common.timeline import mark
 from common.engine.async_engine import EngineDeadError
 from common.transfer.base import TransferError
 from common.transfer.layout import KVLayout
@@ -88,6 +89,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
 
     async def Prefill(self, request, context):
         rid, dest = request.request_id, request.destination
+        mark("prefill.in", rid)
         engine = self.node.engine
         caller = peer_service_name(context)
         if caller is not None and caller != dest.node_id:   # mTLS: a node names only itself
@@ -130,6 +132,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             store = StorePrefix(self.node.kv_store, prompt, engine.model_id, engine.layout_key)
         self.inflight[rid] = (pusher, store)
         start = time.perf_counter()
+        mark("prefill.start", rid)
         finished = False
         failure: tuple[grpc.StatusCode, str] | None = None
         try:
@@ -139,6 +142,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
                 failure = (grpc.StatusCode.CANCELLED, f"prefill of {rid} was cancelled")
             else:
                 computed = time.perf_counter()
+                mark("prefill.computed", rid)
                 nbytes = await pusher.finish()
                 done = time.perf_counter()
                 finished = True
@@ -161,6 +165,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         timing = common_pb2.PrefillTiming(
             remote=True, queue_ms=out.queue_s * 1e3, compute_ms=(computed - start - out.queue_s) * 1e3,
             transfer_ms=(done - computed) * 1e3)
+        mark("prefill.answered", rid)
         reply = engine_pb2.PrefillResponse(first_token_id=out.new_token_ids[0],
                                            num_cached_tokens=out.num_cached_tokens,
                                            timing=timing, bytes_written=nbytes)

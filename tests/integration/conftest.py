@@ -40,9 +40,10 @@ def start_mesh(tmp_path_factory):
     started: list[MeshProcesses] = []
 
     def start(model_dir, nodes=(("prefill", "prefill-0"), ("decode", "decode-0")),
-              transfer="mooncake", top=None, **meta) -> MeshProcesses:
-        """top: top-level config fields set last (see mesh_dict)."""
-        mesh = launch(tmp_path_factory.mktemp("mesh"), mesh_dict(model_dir, nodes, transfer, top, **meta))
+              transfer="mooncake", top=None, env=None, **meta) -> MeshProcesses:
+        """top: top-level config fields set last (see mesh_dict); env: set for every
+        service's process."""
+        mesh = launch(tmp_path_factory.mktemp("mesh"), mesh_dict(model_dir, nodes, transfer, top, **meta), env)
         started.append(mesh)
         return mesh
 

@@ -8,6 +8,7 @@ import time
 import grpc
 import pytest
 
+from common import timeline
 from common.engine import LLM, SamplingParams
 from protos.pdmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.integration.conftest import ENGINE, engine_stats, mixed_prompts
@@ -30,8 +31,13 @@ def expected(model):
 
 
 @pytest.fixture(scope="module")
-def pd_mesh(model, start_mesh):
-    return start_mesh(model)
+def timelines(tmp_path_factory):
+    return tmp_path_factory.mktemp("timelines")
+
+
+@pytest.fixture(scope="module")
+def pd_mesh(model, start_mesh, timelines):
+    return start_mesh(model, env={"PDMESH_TIMELINE_DIR": str(timelines)})
 
 
 def request(ids=None, prompt=None, max_tokens=16, **sampling):
@@ -249,3 +255,17 @@ def test_clients_may_send_the_same_request_id_at_once(pd_mesh, expected):
 
     assert_matches_offline(asyncio.run(rounds()), expected)
     assert_no_blocks_in_use(pd_mesh)
+
+
+def test_a_remote_prefill_leaves_one_ordered_timeline(pd_mesh, timelines):
+    """common/timeline.py, as bench/handoff.py reads it: every service marks its events of
+    a request, under its own id, and the gateway's links join them into one timeline in
+    the order the request met them."""
+    req = request(list(range(3, 40)), max_tokens=4)
+    req.request_id = "timeline-probe"
+    tokens, _, msgs = asyncio.run(stream(pd_mesh.gateway_address, req))
+    assert len(tokens) == 4 and msgs[0].prefill_timing.remote
+    events = timeline.read(timelines)["timeline-probe"]
+    served = [e for e in timeline.EVENTS if not e.startswith("client.")]
+    assert sorted(events) == sorted(served)
+    assert sorted(served, key=events.get) == served, "in the order the request met them"
