@@ -19,6 +19,11 @@ Bounds (all from the membership TTL in for_mesh):
   refresh ahead  a hit on a list older than max_age_s / 2 starts a fetch in the background
                  (not awaited): under steady traffic the list is renewed before it
                  expires, so no request waits for ListMembers on its path.
+  keep fresh     (keep_fresh=True; for_mesh's views) while lookups came within the last
+                 KEEP_FRESH_S, a background task renews the list every max_age_s / 2,
+                 so that sparse traffic (requests further apart than max_age_s) does not
+                 wait for a fetch either: at 1 request/s and the default TTL of 5 s, one
+                 Prefill in five did, a gRPC round trip on its path to the first token.
   single flight  one ListMembers at a time per view, at least min_interval_s apart,
                  shared by every caller waiting for it: a flood of misses (forged
                  requests) costs the meta-server at most 1/min_interval_s calls a second.
@@ -45,6 +50,7 @@ log = logging.getLogger("pdmesh.members")
 
 MembersSource = Callable[[], Awaitable[Sequence[common_pb2.NodeInfo]]]
 MIN_INTERVAL_S = 0.05
+KEEP_FRESH_S = 60.0   # a list is kept fresh this long after the last lookup
 
 
 class MembersUnavailable(RuntimeError):
@@ -54,8 +60,10 @@ class MembersUnavailable(RuntimeError):
 class MembersView:
     def __init__(self, source: MembersSource, max_age_s: float, max_stale_s: float,
                  min_interval_s: float = MIN_INTERVAL_S, fetch_timeout_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic, close: Callable[[], Awaitable[None]] | None = None):
-        """source: returns the live members now (raises when it cannot); close: releases it."""
+                 clock: Callable[[], float] = time.monotonic, close: Callable[[], Awaitable[None]] | None = None,
+                 keep_fresh: bool = False):
+        """source: returns the live members now (raises when it cannot); close: releases it;
+        keep_fresh: renew the list in the background while lookups come (module doc)."""
         if not 0 < max_age_s <= max_stale_s:
             raise ValueError(f"need 0 < max_age_s <= max_stale_s, got {max_age_s}, {max_stale_s}")
         self.source, self.clock = source, clock
@@ -67,6 +75,9 @@ class MembersView:
         self._fetch: tuple[asyncio.Task, float] | None = None
         self._last_start = float("-inf")
         self.num_fetches = 0
+        self.keep_fresh = keep_fresh
+        self._last_find = float("-inf")
+        self._keeper: asyncio.Task | None = None
 
     @classmethod
     def for_mesh(cls, mesh, credentials=None) -> "MembersView":
@@ -75,7 +86,8 @@ class MembersView:
         addresses = list(mesh.gateway.meta_addresses) or [mesh.meta.address]
         ttl = mesh.meta.ttl_seconds
         source = MetaMembers(addresses, timeout_s=min(ttl, 5.0), credentials=credentials)
-        return cls(source, max_age_s=ttl / 3, max_stale_s=ttl, fetch_timeout_s=min(ttl, 5.0), close=source.close)
+        return cls(source, max_age_s=ttl / 3, max_stale_s=ttl, fetch_timeout_s=min(ttl, 5.0), close=source.close,
+                   keep_fresh=True)
 
     @classmethod
     def static(cls, members: Sequence[common_pb2.NodeInfo]) -> "MembersView":
@@ -91,7 +103,9 @@ class MembersView:
     async def find(self, accept: Callable[[common_pb2.NodeInfo], bool]) -> common_pb2.NodeInfo | None:
         """A live member for which accept(member) holds, else None (see the module doc for
         which list answers). Raises MembersUnavailable."""
-        since = self.clock()
+        since = self._last_find = self.clock()
+        if self.keep_fresh and self._keeper is None:
+            self._keeper = asyncio.get_running_loop().create_task(self._keep_fresh())
         age = since - self._fetched_at
         if age <= self.max_age_s:
             member = self._match(accept)
@@ -131,6 +145,18 @@ class MembersView:
                 continue                          # another caller may have started one meanwhile
             self._start_fetch()
 
+    async def _keep_fresh(self) -> None:
+        """Renew the list every max_age_s / 2 until lookups stop for KEEP_FRESH_S (the
+        next find() starts it again)."""
+        try:
+            while self.clock() - self._last_find <= KEEP_FRESH_S:
+                await asyncio.sleep(self.max_age_s / 2)
+                now = self.clock()
+                if now - self._fetched_at > self.max_age_s / 2:
+                    self._refresh_ahead(now)
+        finally:
+            self._keeper = None
+
     def _refresh_ahead(self, now: float) -> None:
         """Start a fetch nobody waits for, unless one is in flight or the last began less
         than min_interval_s ago."""
@@ -152,6 +178,9 @@ class MembersView:
             self._members, self._fetched_at = members, started
 
     async def close(self) -> None:
+        if self._keeper is not None:
+            self._keeper.cancel()
+            await asyncio.gather(self._keeper, return_exceptions=True)
         if self._fetch is not None and not self._fetch[0].done():
             self._fetch[0].cancel()
             await asyncio.gather(self._fetch[0], return_exceptions=True)

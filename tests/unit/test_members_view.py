@@ -82,6 +82,35 @@ def test_a_hit_on_an_aging_list_refreshes_it_in_the_background():
     asyncio.run(body())
 
 
+def test_kept_fresh_a_lookup_after_a_quiet_spell_does_not_wait_for_a_fetch():
+    """keep_fresh: requests further apart than max_age_s (sparse traffic) still find a
+    young list; without it each such lookup waits for ListMembers first."""
+    async def body(keep_fresh: bool) -> bool:
+        source = Source([info("d0")])
+        view = MembersView(source, max_age_s=0.4, max_stale_s=5.0, min_interval_s=0.0, keep_fresh=keep_fresh)
+        assert (await view.find(by_id("d0"))).node_id == "d0"
+        await asyncio.sleep(1.2)                        # three max_ages without a lookup
+        gate = asyncio.Event()
+        real = source.__call__
+
+        async def blocked():
+            await gate.wait()
+            return await real()
+        view.source = blocked                          # a fetch now would wait for the gate
+        try:
+            await asyncio.wait_for(view.find(by_id("d0")), 1.0)
+            waited = False
+        except asyncio.TimeoutError:
+            waited = True
+        gate.set()
+        fetches = source.calls
+        await view.close()
+        assert keep_fresh is False or fetches >= 3, f"kept fresh in the background: {fetches} fetches"
+        return waited
+    assert asyncio.run(body(keep_fresh=True)) is False
+    assert asyncio.run(body(keep_fresh=False)) is True
+
+
 def test_a_miss_fetches_a_list_begun_after_the_call():
     async def body():
         source, clock = Source([info("d0")]), Clock()
