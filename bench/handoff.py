@@ -131,9 +131,9 @@ def main() -> int:
     finally:
         mesh.stop()
     served = json.loads((work / "serve.json").read_text())["runs"][0]
-    requests = timeline.read(lines)
-    complete = sorted((r for r in requests.values() if all(e in r for e in EVENTS)), key=lambda r: r["client.sent"])
-    complete = complete[-args.num_prompts:]   # the measured ones (warm-up requests come first)
+    sent = sorted((r for r in timeline.read(lines).values() if "client.sent" in r), key=lambda r: r["client.sent"])
+    measured = sent[cfg.warmup:]   # the warm-up requests go first, one at a time
+    complete = [r for r in measured if all(e in r for e in EVENTS)]
     if not complete:
         print("no request was prefilled remotely", file=sys.stderr)
         return 1
