@@ -25,12 +25,13 @@ import argparse
 import asyncio
 import collections
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 from bench_mesh import start_pd_mesh, write_result
 from bench_model import BENCH_MODEL, ROOT, ensure_bench_model
@@ -65,8 +66,9 @@ EVENTS = [a for a, _, _ in SEGMENTS] + [SEGMENTS[-1][1]]   # all of timeline.EVE
 
 
 def stats(values: list[float]) -> dict[str, float]:
-    v = sorted(values)
-    return {"p50_ms": statistics.median(v), "mean_ms": statistics.mean(v), "p90_ms": v[int(0.9 * (len(v) - 1))]}
+    """As services/bench/metrics.py computes them (numpy's linear percentiles)."""
+    return {"p50_ms": float(np.percentile(values, 50)), "mean_ms": float(np.mean(values)),
+            "p90_ms": float(np.percentile(values, 90))}
 
 
 def bare_grpc_rtt(calls: int = 300) -> dict[str, dict[str, float]]:

@@ -14,10 +14,13 @@ directory's files into one timeline per request.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 import time
 from pathlib import Path
+
+log = logging.getLogger("pdmesh.timeline")
 
 EVENTS = ("client.sent", "gateway.in", "gateway.route_sent", "meta.route_in", "meta.route_out",
           "gateway.routed", "gateway.decode_sent", "decode.in", "decode.admitted", "decode.prefill_sent",
@@ -30,43 +33,54 @@ _file = None
 
 
 def record_to(directory: str) -> None:
-    """Turn timelines on in this process (as $PDMESH_TIMELINE_DIR does at import)."""
-    global _DIR
-    _DIR = directory
+    """Turn timelines on in this process (as $PDMESH_TIMELINE_DIR does at import), into
+    `directory` from now on."""
+    global _DIR, _file
+    with _lock:
+        _DIR, _file = directory, None
 
 
 def mark(event: str, key: str) -> None:
-    """Append `now event key` to this process's timeline, when timelines are on."""
+    """Append `now event key` to this process's timeline, when timelines are on. Never
+    raises: it runs on request paths and the engine's step thread, so a timeline that
+    cannot be written is logged once and turned off."""
+    global _DIR, _file
     if not _DIR:
         return
-    global _file
     now = time.monotonic()
+    key = key.replace("\n", " ")
     with _lock:
-        if _file is None:
-            _file = open(os.path.join(_DIR, f"{os.getpid()}.timeline"), "a", buffering=1)
-        _file.write(f"{now:.6f} {event} {key}\n")
+        try:
+            if _file is None:
+                _file = open(os.path.join(_DIR, f"{os.getpid()}.timeline"), "a", buffering=1)
+            _file.write(f"{now:.6f} {event} {key}\n")
+        except OSError as e:
+            log.warning("timeline in %s cannot be written (%s); timelines are off in this process", _DIR, e)
+            _DIR, _file = "", None
 
 
 def link(first: str, other: str) -> None:
     """Say that `other` names the same request as `first` (the client's id)."""
-    mark("link", f"{first}|{other}")
+    if _DIR:
+        mark("link", f"{first}|{other}")
 
 
 def read(directory: str | Path) -> dict[str, dict[str, float]]:
-    """The client's request id -> {event: its first time}, every process's lines merged
-    (the other ids folded in by the links)."""
+    """The client's request id -> {event: its earliest time}, every process's lines merged
+    (the other ids folded in by the links: a retried or migrated request has several)."""
     raw: dict[str, dict[str, float]] = collections.defaultdict(dict)
     alias: dict[str, str] = {}
     for path in Path(directory).glob("*.timeline"):
         for line in path.read_text().splitlines():
             t, event, key = line.split(" ", 2)
             if event == "link":
-                first, other = key.split("|", 1)
+                first, other = key.rsplit("|", 1)
                 alias[other] = first
             else:
-                raw[key].setdefault(event, float(t))
+                raw[key][event] = min(float(t), raw[key].get(event, float("inf")))
     merged: dict[str, dict[str, float]] = collections.defaultdict(dict)
     for key, events in raw.items():
+        into = merged[alias.get(key, key)]
         for event, t in events.items():
-            merged[alias.get(key, key)].setdefault(event, t)
+            into[event] = min(t, into.get(event, float("inf")))
     return merged

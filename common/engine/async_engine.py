@@ -329,13 +329,13 @@ class AsyncEngine(EngineView):
             return
         if request_id in self._remote:
             await self._run_on_engine(lambda: self._commit(request_id, filled), in_forward=True)
-            mark("decode.committed", request_id)
 
     def _commit(self, request_id: str, filled: KVFilled) -> None:
         """Engine side (in_forward): the first token is emitted here, at once."""
         try:
             if filled.first_token is not None:
                 self.engine.commit_remote(request_id, filled.first_token, filled.first_logprobs)
+                mark("decode.committed", request_id)
             else:
                 self.engine.commit_loaded(request_id, filled.num_tokens)
         except ValueError as e:   # the fill answered, so its writes have ended

@@ -20,7 +20,7 @@ Bounds (all from the membership TTL in for_mesh):
                  (not awaited): under steady traffic the list is renewed before it
                  expires, so no request waits for ListMembers on its path.
   keep fresh     (keep_fresh=True; for_mesh's views) while lookups came within the last
-                 KEEP_FRESH_S, a background task renews the list every max_age_s / 2,
+                 keep_fresh_s, a background task renews the list every max_age_s / 2,
                  so that sparse traffic (requests further apart than max_age_s) does not
                  wait for a fetch either: at 1 request/s and the default TTL of 5 s, one
                  Prefill in five did, a gRPC round trip on its path to the first token.
@@ -50,7 +50,7 @@ log = logging.getLogger("pdmesh.members")
 
 MembersSource = Callable[[], Awaitable[Sequence[common_pb2.NodeInfo]]]
 MIN_INTERVAL_S = 0.05
-KEEP_FRESH_S = 60.0   # a list is kept fresh this long after the last lookup
+KEEP_FRESH_S = 60.0   # by default a list is kept fresh this long after the last lookup
 
 
 class MembersUnavailable(RuntimeError):
@@ -61,9 +61,10 @@ class MembersView:
     def __init__(self, source: MembersSource, max_age_s: float, max_stale_s: float,
                  min_interval_s: float = MIN_INTERVAL_S, fetch_timeout_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic, close: Callable[[], Awaitable[None]] | None = None,
-                 keep_fresh: bool = False):
+                 keep_fresh: bool = False, keep_fresh_s: float = KEEP_FRESH_S):
         """source: returns the live members now (raises when it cannot); close: releases it;
-        keep_fresh: renew the list in the background while lookups come (module doc)."""
+        keep_fresh: renew the list in the background while lookups came within the last
+        keep_fresh_s (module doc)."""
         if not 0 < max_age_s <= max_stale_s:
             raise ValueError(f"need 0 < max_age_s <= max_stale_s, got {max_age_s}, {max_stale_s}")
         self.source, self.clock = source, clock
@@ -75,9 +76,10 @@ class MembersView:
         self._fetch: tuple[asyncio.Task, float] | None = None
         self._last_start = float("-inf")
         self.num_fetches = 0
-        self.keep_fresh = keep_fresh
+        self.keep_fresh, self.keep_fresh_s = keep_fresh, keep_fresh_s
         self._last_find = float("-inf")
         self._keeper: asyncio.Task | None = None
+        self._closed = False
 
     @classmethod
     def for_mesh(cls, mesh, credentials=None) -> "MembersView":
@@ -104,8 +106,9 @@ class MembersView:
         """A live member for which accept(member) holds, else None (see the module doc for
         which list answers). Raises MembersUnavailable."""
         since = self._last_find = self.clock()
-        if self.keep_fresh and self._keeper is None:
+        if self.keep_fresh and self._keeper is None and not self._closed:
             self._keeper = asyncio.get_running_loop().create_task(self._keep_fresh())
+            self._keeper.add_done_callback(_retrieve)
         age = since - self._fetched_at
         if age <= self.max_age_s:
             member = self._match(accept)
@@ -146,13 +149,16 @@ class MembersView:
             self._start_fetch()
 
     async def _keep_fresh(self) -> None:
-        """Renew the list every max_age_s / 2 until lookups stop for KEEP_FRESH_S (the
-        next find() starts it again)."""
+        """Renew the list once it is max_age_s / 2 old, until lookups stop for
+        keep_fresh_s (the next find() starts it again) or the view closes."""
         try:
-            while self.clock() - self._last_find <= KEEP_FRESH_S:
-                await asyncio.sleep(self.max_age_s / 2)
+            while not self._closed and self.clock() - self._last_find <= self.keep_fresh_s:
+                # half a max age after the last fetch began (a failing one too: at most
+                # one every max_age_s / 2 while the meta-server is away)
+                due = max(self._fetched_at, self._last_start) + self.max_age_s / 2 - self.clock()
+                await asyncio.sleep(max(due, self.min_interval_s, 0.001))
                 now = self.clock()
-                if now - self._fetched_at > self.max_age_s / 2:
+                if not self._closed and now - self._fetched_at >= self.max_age_s / 2:
                     self._refresh_ahead(now)
         finally:
             self._keeper = None
@@ -178,6 +184,7 @@ class MembersView:
             self._members, self._fetched_at = members, started
 
     async def close(self) -> None:
+        self._closed = True
         if self._keeper is not None:
             self._keeper.cancel()
             await asyncio.gather(self._keeper, return_exceptions=True)

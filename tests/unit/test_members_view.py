@@ -111,6 +111,40 @@ def test_kept_fresh_a_lookup_after_a_quiet_spell_does_not_wait_for_a_fetch():
     assert asyncio.run(body(keep_fresh=False)) is True
 
 
+def test_keeping_fresh_stops_when_lookups_stop_and_for_good_once_closed():
+    async def body():
+        source = Source([info("d0")])
+        view = MembersView(source, max_age_s=0.2, max_stale_s=5.0, min_interval_s=0.0, keep_fresh=True,
+                           keep_fresh_s=0.3)
+        await view.find(by_id("d0"))
+        await asyncio.sleep(0.8)                         # lookups stopped 0.3 s in
+        quiet = source.calls
+        await asyncio.sleep(0.4)
+        assert source.calls == quiet and view._keeper is None, "no lookups: no fetches"
+        await view.find(by_id("d0"))                     # lookups again: kept fresh again
+        assert view._keeper is not None
+        await view.close()
+        assert view._keeper is None
+        await view.find(by_id("d0"))                     # a late lookup after close()
+        calls = source.calls
+        await asyncio.sleep(0.4)
+        assert view._keeper is None and source.calls == calls, "closed: nothing renews the list"
+    asyncio.run(body())
+
+
+def test_kept_fresh_a_failing_meta_server_is_asked_at_most_every_half_max_age():
+    async def body():
+        source = Source([info("d0")])
+        view = MembersView(source, max_age_s=0.2, max_stale_s=5.0, min_interval_s=0.0, keep_fresh=True)
+        await view.find(by_id("d0"))
+        source.down = True
+        before = source.calls
+        await asyncio.sleep(1.0)
+        await view.close()
+        assert source.calls - before <= 1.0 / 0.1 + 1
+    asyncio.run(body())
+
+
 def test_a_miss_fetches_a_list_begun_after_the_call():
     async def body():
         source, clock = Source([info("d0")]), Clock()
