@@ -3,6 +3,7 @@ Mooncake (TCP) or the gRPC transfer backend, a colocated `both` node, and local 
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 
 import grpc
@@ -84,12 +85,28 @@ def assert_no_blocks_in_use(mesh, timeout_s: float = 5.0):
         if svc.role not in ("prefill", "decode", "both") or svc.process.poll() is not None:
             continue
         while True:
-            stats = engine_stats(svc.address, svc.role)
+            try:
+                stats = engine_stats(svc.address, svc.role)
+            except grpc.RpcError as e:
+                # a node whose engine died stops its server first, then exits (serve.py):
+                # one on its way out holds nothing to check; any other must answer
+                if e.code() != grpc.StatusCode.UNAVAILABLE or not exits(svc.process, deadline):
+                    raise
+                break
             if (stats.used_blocks, stats.quarantined_blocks, stats.running, stats.waiting,
                     stats.kv_remote, stats.held) == (0, 0, 0, 0, 0, 0):
                 break
             assert time.monotonic() < deadline, f"{svc.name} still holds blocks: {stats}"
             time.sleep(0.05)
+
+
+def exits(process, deadline: float) -> bool:
+    """Whether `process` exits by `deadline` (time.monotonic)."""
+    try:
+        process.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 def kv_store_stats(address: str):
