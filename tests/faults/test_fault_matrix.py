@@ -62,6 +62,14 @@ def kv_remote(mesh) -> int:
     return sum(engine_stats(s.address, "decode").kv_remote for s in mesh.services.values() if s.role == "decode")
 
 
+def prefilling(mesh) -> bool:
+    """The prefill node is computing prompts now, with decode nodes waiting on it. Asked of
+    the prefill node itself: a decode node's count alone may be a request of the case
+    before, still settling on a node that has just come back."""
+    stats = engine_stats(mesh.services["prefill-0"].address, "prefill")
+    return stats.running + stats.waiting >= 1 and kv_remote(mesh) >= 1
+
+
 def finish(mesh, work, fault_table, case: str, outcomes, baseline, **row_args) -> dict:
     row = work.row(case, outcomes, baseline, **row_args)
     fault_table.append(row)
@@ -122,7 +130,7 @@ def test_decode_node_stopped_for_10s(mesh_a, work, baseline_a, fault_table):
 
 def test_prefill_node_killed_mid_prefill(mesh_a, work, baseline_a, fault_table):
     async def fault(progress):
-        await until(lambda: kv_remote(mesh_a) >= 1, what="a request waiting on the prefill node")
+        await until(lambda: prefilling(mesh_a), what="a prompt being prefilled on the prefill node")
         mesh_a.kill("prefill-0")
 
     outcomes, _ = asyncio.run(work.run(mesh_a.gateway_address, fault))
@@ -134,7 +142,7 @@ def test_prefill_node_killed_mid_prefill(mesh_a, work, baseline_a, fault_table):
 @pytest.mark.long_fault
 def test_prefill_node_stopped_for_10s(mesh_a, work, baseline_a, fault_table):
     async def fault(progress):
-        await until(lambda: kv_remote(mesh_a) >= 1, what="a request waiting on the prefill node")
+        await until(lambda: prefilling(mesh_a), what="a prompt being prefilled on the prefill node")
         os.killpg(pid(mesh_a, "prefill-0"), signal.SIGSTOP)
         await asyncio.sleep(STOP_S)
         os.killpg(pid(mesh_a, "prefill-0"), signal.SIGCONT)
