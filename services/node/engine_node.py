@@ -21,14 +21,14 @@ from common.config import MeshConfig, NodeConfig
 from common.engine.async_engine import AsyncEngine
 from common.engine.llm_engine import LLMEngine
 from common.parallel import check_role
+from common.parallel.rank_writes import RankWriters, WorkerSender
+from common.parallel.shard import plan_shard
 from common.transfer.base import TransferEngine
 from common.transfer.kv_writes import KVSender
 from common.transfer.layout import KVLayout
 from common.transfer.factory import create_transfer
 from protos.pdmesh.v1 import common_pb2, engine_pb2
 from services.node import grpc_util
-from common.parallel.rank_writes import RankWriters, WorkerSender
-from common.parallel.shard import plan_shard
 from services.kv_store.client import KVStoreClient
 from services.kv_store.rank_clients import RankStoreClients
 from services.node.metrics import NodeMetrics
