@@ -31,11 +31,12 @@ COLOCATED_NODES = (("both", "both-0"),)
 def start_pd_mesh(model: Path, engine: dict, transfer: str = "mooncake", prefix: str = "pdmesh-bench-",
                   nodes=PD_NODES, kv_push: str = "layerwise", timeouts: dict | None = None,
                   meta: dict | None = None, plan_cores: bool = True,
-                  env: dict[str, str] | None = None) -> MeshProcesses:
+                  env: dict[str, str] | None = None, borrow_cores: bool = True) -> MeshProcesses:
     """Start the meta-server, the nodes (default prefill-0 and decode-0) and the gateway on
     free ports; the caller stops it (mesh.stop()). timeouts: TimeoutConfig fields to set;
     meta: MetaConfig fields (the router's) to set; plan_cores: the launcher's core plan
-    (False: no node pinned); env: set for every service's process."""
+    (False: no node pinned); borrow_cores: the decode node borrows the prefill node's
+    cores while it is idle (the launcher's default); env: set for every service's process."""
     work = Path(tempfile.mkdtemp(prefix=prefix))
     raw = {"model": str(model), "engine": engine, "transfer": {"backend": transfer, "kv_push": kv_push},
            "meta_server": {"port": 0, **(meta or {})}, "gateway": {"port": 0}, "timeouts": dict(timeouts or {}),
@@ -43,7 +44,7 @@ def start_pd_mesh(model: Path, engine: dict, transfer: str = "mooncake", prefix:
     cfg = work / "mesh.yaml"
     cfg.write_text(yaml.safe_dump(raw))
     mesh = MeshProcesses(str(cfg), mesh_config_from_dict(raw), work / "logs", plan_cores=plan_cores,
-                         env=dict(env or {}))
+                         borrow_cores=borrow_cores, env=dict(env or {}))
     mesh.start()
     use_client_key(mesh)
     return mesh

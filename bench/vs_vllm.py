@@ -45,6 +45,7 @@ from services.bench.serve import ServeConfig, command_line, run_serve_benchmark 
 from services.node.grpc_util import free_port  # noqa: E402
 
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
+UNBORROWED = "1p1d-own"   # --with-unborrowed: 1P+1D, the decode node on its own core only
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}
 
 
@@ -126,12 +127,14 @@ def measure(server: str, rate: float, args, model: Path, work: Path) -> dict:
             vllm.stop()
     else:
         extra = {}
-        engine, shared = dict(ENGINE), args.pd_cores == "shared" and server != "colocated"
+        topology = "1p1d" if server == UNBORROWED else server
+        engine, shared = dict(ENGINE), args.pd_cores == "shared" and topology != "colocated"
         if shared:   # both nodes on every core, one thread per core each, idle threads sleeping
             engine["num_threads"] = len(os.sched_getaffinity(0))
-        mesh = start_pd_mesh(model, engine, prefix=f"pdmesh-vs-vllm-{server}-", nodes=TOPOLOGIES[server],
-                             meta=topology_meta(server, args.prefill_queue_threshold), plan_cores=not shared,
-                             env={"OMP_WAIT_POLICY": "PASSIVE"} if shared else None)
+        mesh = start_pd_mesh(model, engine, prefix=f"pdmesh-vs-vllm-{server}-", nodes=TOPOLOGIES[topology],
+                             meta=topology_meta(topology, args.prefill_queue_threshold), plan_cores=not shared,
+                             env={"OMP_WAIT_POLICY": "PASSIVE"} if shared else None,
+                             borrow_cores=server != UNBORROWED)
         startup = time.monotonic() - started
         try:
             cfg = serve_config(args, rate, out, gateway=mesh.gateway_address,
@@ -197,11 +200,15 @@ def main() -> int:
                     help="1P+1D: the launcher's core plan (split: a core each, pinned) or every "
                          "core for both nodes (shared: not pinned, one thread per core each, "
                          "OMP_WAIT_POLICY=PASSIVE)")
+    ap.add_argument("--with-unborrowed", action="store_true",
+                    help=f"also measure 1P+1D with the decode node on its own core only ({UNBORROWED}: "
+                         "no engine.borrow_cores), against the launcher's default that lends it the "
+                         "prefill node's core while that is idle")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vs_vllm.json"))
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     model = ensure_bench_model()
-    servers = list(TOPOLOGIES)
+    servers = list(TOPOLOGIES) + ([UNBORROWED] if args.with_unborrowed else [])
     if Path(args.vllm_python).exists():
         servers.insert(0, "vllm")
     else:
@@ -234,7 +241,7 @@ def main() -> int:
         runs = {s: report["runs"][key][s] for s in servers}
         report["runs"][key] = runs
         if "vllm" in servers:
-            report["ratios"][key] = {s: ratios(runs[s], runs["vllm"]) for s in TOPOLOGIES}
+            report["ratios"][key] = {s: ratios(runs[s], runs["vllm"]) for s in servers if s != "vllm"}
         pairs = [(a, b) for i, a in enumerate(servers) for b in servers[i + 1:]]
         report["token_ids"][key] = {f"{b} vs {a}": compare_token_ids(details[a], details[b]) for a, b in pairs}
     report["dataset"] = dataset

@@ -3,10 +3,11 @@ these. Nothing here mutates at run time."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
-from common.engine.cpu_budget import check_cpu_cores, parse_cpu_list
+from common.engine.cpu_budget import check_cpu_cores, format_cpu_list, parse_cpu_list
 from common.timeouts import TimeoutConfig  # noqa: F401  (part of the config; defined apart for its length)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -27,7 +28,13 @@ class EngineConfig:
     tensor_parallel_size N > 1 shards the model over N rank processes stepping together
     (common/parallel/executor.py); the model's heads must divide by N (checked when the
     engine loads it). num_threads and kv_cache_memory are then per rank, cpu_cores split
-    N ways (when it has N cores or more); num_threads 0 = the cores split N ways."""
+    N ways (when it has N cores or more); num_threads 0 = the cores split N ways.
+
+    borrow_cores: cores of the prefill node beside a decode node (same forms; outside the
+    cores the engine runs on: cpu_cores, or those it was started on), on which its steps
+    add one thread each while none of its requests is prefilled remotely
+    (common/engine/borrowed_cores.py; `pdmesh up` sets it); () = none. Needs
+    tensor_parallel_size 1."""
 
     model: str
     model_id: str = ""
@@ -46,6 +53,7 @@ class EngineConfig:
     num_threads: int = 0
     cpu_cores: tuple[int, ...] = ()
     tensor_parallel_size: int = 1
+    borrow_cores: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
@@ -65,6 +73,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         object.__setattr__(self, "cpu_cores", parse_cpu_list(self.cpu_cores))   # "0-3,6" -> (0, 1, 2, 3, 6)
         check_cpu_cores(self.cpu_cores)
+        object.__setattr__(self, "borrow_cores", parse_cpu_list(self.borrow_cores, "borrow_cores"))
+        if self.borrow_cores and (tp > 1 or set(self.cpu_cores) & set(self.borrow_cores)
+                                  or max(self.borrow_cores) >= (os.cpu_count() or 1)):
+            raise ValueError(f"borrow_cores must be cores of this host ({format_cpu_list(range(os.cpu_count() or 1))}) "
+                             f"outside cpu_cores, at tensor_parallel_size 1, got {format_cpu_list(self.borrow_cores)}")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,11 +162,14 @@ class CoreShare:
     pinned: bool
     num_threads: int = 0
     by_config: bool = False
+    borrows: tuple[int, ...] = ()   # a decode node's engine.borrow_cores (plan_borrowing)
 
     def describe(self) -> str:
         text = f"cores {format_cpu_list(self.cores) or 'all'}" + ("" if self.pinned else " (not pinned)")
         if self.num_threads:
             text += f", {self.num_threads} thread{'s' if self.num_threads > 1 else ''}"
+        if self.borrows:
+            text += f", borrows {format_cpu_list(self.borrows)} while the prefill node idles"
         return text + (", from engine.cpu_cores" if self.by_config else "")
 
 
@@ -221,3 +225,24 @@ def plan_cores(available: tuple[int, ...], engine_nodes: list[str], control_serv
     for name in control_services:
         plan[name] = CoreShare(tuple(spare), True) if spare else CoreShare(tuple(available), False)
     return plan
+
+
+def plan_borrowing(plan: dict[str, CoreShare], roles: dict[str, str],
+                   ranks: dict[str, int] | None = None) -> dict[str, CoreShare]:
+    """plan with the decode node lent the prefill nodes' cores (engine.borrow_cores,
+    common/engine/borrowed_cores.py) where that is safe: exactly one node of role decode
+    and at least one of role prefill, none of them placed by engine.cpu_cores or
+    unpinned, every one at tensor_parallel_size 1, the cores disjoint. The decode node
+    is then the only one whose prompts those prefill nodes compute, so its rule (borrow
+    while none of its prompts is prefilled remotely) sees all their work. Pure."""
+    ranks = ranks or {}
+    decode = [n for n, r in roles.items() if r == "decode"]
+    prefill = [n for n, r in roles.items() if r == "prefill"]
+    nodes = decode + prefill
+    if len(decode) != 1 or not prefill or any(
+            n not in plan or not plan[n].pinned or plan[n].by_config or ranks.get(n, 1) > 1 for n in nodes):
+        return plan
+    lent = tuple(sorted({c for n in prefill for c in plan[n].cores}))
+    if set(lent) & set(plan[decode[0]].cores):
+        return plan
+    return {**plan, decode[0]: dataclasses.replace(plan[decode[0]], borrows=lent)}

@@ -44,6 +44,7 @@ import torch
 
 from common.config import EngineConfig
 from common.engine import cpu_budget
+from common.engine.borrowed_cores import BorrowedCores
 from common.engine.block_manager import BlockManager
 from common.engine.model_runner import ModelRunner, load_rank
 from common.engine.sampler import compute_logprobs, sample
@@ -90,8 +91,12 @@ class LLMEngine:
         from common.parallel.shard import plan_shard
         self.config = config
         tp_size = config.tensor_parallel_size
+        self.borrowed_cores = None
         if tp_size == 1:
-            cpu_budget.apply(config.cpu_cores, config.num_threads)
+            threads = cpu_budget.apply(config.cpu_cores, config.num_threads)
+            if config.borrow_cores:
+                self.borrowed_cores = BorrowedCores(config.cpu_cores or cpu_budget.allowed_cpus(), threads,
+                                                    config.borrow_cores)
             self.device = torch.device(config.device)
         else:   # torch.distributed and the worker code only when there are ranks
             from common.parallel.executor import TPExecutor, rank_cpu_budget, rank_device
@@ -304,6 +309,8 @@ class LLMEngine:
         self.last_step_empty = sched.is_empty and not sched.preempted
         if sched.is_empty:
             return self.take_outputs()
+        if self.borrowed_cores is not None:
+            self.borrowed_cores.fit(borrow=not self.scheduler.has_remote_kv())
         with self.forward_window():
             logits, sample_seqs = self.runner.execute(sched)
         if self.device.type != "cpu" and any(s.on_computed is not None for s in sched.prefill_seqs):
@@ -364,4 +371,5 @@ class LLMEngine:
                 "free_blocks": free, "used_blocks": bm.num_blocks - free,
                 "total_blocks": bm.num_blocks, "prefix_hit_tokens": bm.num_hits,
                 "prefix_query_tokens": bm.num_queries, "preemptions": sched.num_preemptions,
-                "quarantined_blocks": sched.num_quarantined_blocks, "cached_blocks": bm.num_cached_blocks}
+                "quarantined_blocks": sched.num_quarantined_blocks, "cached_blocks": bm.num_cached_blocks,
+                "borrowed_core_steps": self.borrowed_cores.num_steps if self.borrowed_cores else 0}

@@ -83,6 +83,11 @@ class Scheduler:
         """Work a step can do (KV_REMOTE sequences wait on another node)."""
         return bool(self.waiting or self.running or self.ready)
 
+    def has_remote_kv(self) -> bool:
+        """Some request's KV is being filled from elsewhere (KV_REMOTE) or will be (waiting
+        with kv_remote)."""
+        return bool(self.remote) or any(seq.kv_remote for seq in self.waiting)
+
     @property
     def num_seats_taken(self) -> int:
         return len(self.running) + len(self.remote) + len(self.ready)

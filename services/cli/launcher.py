@@ -9,7 +9,9 @@ meta_server's config, so each gets a free metrics port of its own (--metrics-por
 
 Cores (common/engine/cpu_budget.plan_cores): the engine nodes split the cores this
 process may use (a node at tensor_parallel_size N as N engines), one OpenMP thread per
-core, unless engine.cpu_cores names theirs;
+core, unless engine.cpu_cores names theirs; the one decode node of a mesh with prefill
+nodes borrows their cores while none of its prompts is prefilled remotely
+(cpu_budget.plan_borrowing; borrow_cores=False: not);
 meta-server, kv-store and gateway run on the cores left over, or on all when none are.
 Each process starts pinned (and an engine with OMP_NUM_THREADS and the OpenMP wait policy
 in its environment, where the environment does not set them already); plan_cores=False
@@ -103,6 +105,7 @@ class MeshProcesses:
     log_dir: Path
     quiet: bool = False
     plan_cores: bool = True             # split the host's cores (module docstring)
+    borrow_cores: bool = True           # lend the decode node the prefill nodes' idle cores
     services: dict[str, Service] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)   # set for every service's process
 
@@ -159,6 +162,8 @@ class MeshProcesses:
         if self.plan_cores and available:
             ranks = {n.node_id: self.mesh.engine_config(n).tensor_parallel_size for n in self.mesh.nodes}
             plan = cpu_budget.plan_cores(available, nodes, control, explicit, engine.num_threads, ranks)
+            if self.borrow_cores and not any(self.mesh.engine_config(n).borrow_cores for n in self.mesh.nodes):
+                plan = cpu_budget.plan_borrowing(plan, {n.node_id: n.role for n in self.mesh.nodes}, ranks)
         else:
             plan = {name: cpu_budget.CoreShare(explicit[name], True, by_config=True) if name in explicit
                     else cpu_budget.CoreShare(available, False) for name in self.services}
@@ -202,6 +207,8 @@ class MeshProcesses:
         engine_env = {}
         if cpu is not None and svc.role in ("prefill", "decode", "both") and (cpu.pinned or cpu.num_threads):
             engine_env = cpu_budget.openmp_env(cpu.num_threads)
+        if cpu is not None and cpu.borrows:
+            cmd += ["--borrow-cores", cpu_budget.format_cpu_list(cpu.borrows)]
         if cpu is not None and cpu.pinned:
             cmd = cpu_budget.pinned_command(cmd, cpu.cores)
         env = {**engine_env, **os.environ, **self.env, **svc.env,

@@ -35,6 +35,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "StatefulSet pod's own DNS name, so that two meta-servers differ)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="override this service's metrics_port (GET /metrics; 0 = off)")
+    p.add_argument("--borrow-cores", default="",
+                   help="decode nodes: the engine's borrow_cores (\"1\", \"2-3\"): the prefill node's "
+                        "cores its steps also run on while none of its prompts is prefilled remotely")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -105,6 +108,10 @@ async def _serve(args) -> None:
         mesh, node_cfg = _with_metrics_port(mesh, node_cfg, args.role, args.metrics_port)
     if args.advertise_host:
         mesh, node_cfg = _with_advertise_host(mesh, node_cfg, args.role, args.advertise_host)
+    if args.borrow_cores:
+        if node_cfg is None:
+            raise ValueError(f"--borrow-cores is for engine roles, not {args.role}")
+        node_cfg = dataclasses.replace(node_cfg, engine={**node_cfg.engine, "borrow_cores": args.borrow_cores})
     name = node_cfg.node_id if node_cfg is not None else args.role
     credentials = load_credentials(mesh.security, name,
                                    mesh.gateway.api_keys_file if args.role == "gateway" else "")

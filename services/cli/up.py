@@ -1,4 +1,4 @@
-"""`pdmesh up --config FILE [--log-dir DIR] [--demo] [--no-core-plan]`: a whole mesh on this host.
+"""`pdmesh up --config FILE [--log-dir DIR] [--demo] [--no-core-plan] [--no-borrow-cores]`: a whole mesh on this host.
 
 Lifecycle:
   load the config -> make the built-in tiny model when the config names `tiny_arch` and
@@ -13,9 +13,12 @@ Cores: each engine node gets its share of this host's cores (the ones `pdmesh up
 on), pinned, one OpenMP thread per core, OMP_WAIT_POLICY=PASSIVE (where the environment
 sets neither); meta-server, kv-store and gateway run on the cores left over, or share
 them all when the engines take every core (1 prefill + 1 decode node on 2 cores: one
-core each; one colocated node: both). `engine.cpu_cores` in the config pins every engine
-node to those cores instead; --no-core-plan makes no plan (an explicit engine.cpu_cores
-still pins). The status lines say who runs where.
+core each; one colocated node: both). The one decode node of a mesh with prefill nodes
+also borrows their cores for the steps in which none of its prompts is prefilled
+remotely (engine.borrow_cores, common/engine/borrowed_cores.py; --no-borrow-cores: not).
+`engine.cpu_cores` in the config pins every engine node to those cores instead;
+--no-core-plan makes no plan (an explicit engine.cpu_cores still pins). The status lines
+say who runs where.
 
 Credentials: the secrets the config (`security:`, gateway.api_keys_file) and the
 environment do not give are made fresh for this mesh under LOG_DIR/credentials (0600 files:
@@ -61,6 +64,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-core-plan", action="store_true",
                    help="leave every service on every core with torch's default threads (a host shared "
                         "with other work, where a pinned engine could not move off a busy core)")
+    p.add_argument("--no-borrow-cores", action="store_true",
+                   help="keep the decode node on its own cores even while the prefill node's idle")
     return p
 
 
@@ -249,7 +254,8 @@ def run(args: argparse.Namespace) -> int:
     from services.cli.launcher import MeshProcesses
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdmesh-up-"))
     print(f"logs in {log_dir}", flush=True)
-    mesh = MeshProcesses(args.config, mesh_cfg, log_dir, plan_cores=not args.no_core_plan)
+    mesh = MeshProcesses(args.config, mesh_cfg, log_dir, plan_cores=not args.no_core_plan,
+                         borrow_cores=not args.no_borrow_cores)
     interrupts = _Interrupts()
     code = 0
     recorded: dict[str, str] = {}

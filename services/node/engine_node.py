@@ -201,7 +201,8 @@ class EngineNode:
             transfer_bytes_written=self.moved.bytes_written, transfer_bytes_read=self.moved.bytes_read,
             rank_bytes_written=self.rank_writers.bytes_written if self.rank_writers else 0,
             kv_blocks_staged=self.staging.pool.num_staged if self.staging else 0,
-            rank_bytes_read=self.rank_writers.bytes_read if self.rank_writers else 0)
+            rank_bytes_read=self.rank_writers.bytes_read if self.rank_writers else 0,
+            borrowed_core_steps=s["borrowed_core_steps"])
 
 
     def channel(self, address: str) -> grpc.aio.Channel:

@@ -63,6 +63,8 @@ class EngineCollector:
                       s["prefix_query_tokens"])
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s["prefix_hit_tokens"])
         yield counter("num_preemptions", "Requests preempted (recomputed later).", s["preemptions"])
+        yield counter("borrowed_core_steps", "Steps run with the prefill node's cores too (engine.borrow_cores).",
+                      s["borrowed_core_steps"])
         moved = CounterMetricFamily(name("kv_transfer_bytes"), "KV bytes moved by the node's transfer engines (every rank).",
                                     labels=["node", "direction"])
         moved.add_metric([self.node_id, "write"], self.transfer.bytes_written)

@@ -142,7 +142,20 @@ def test_disaggregated_mooncake_matches_offline(pd_mesh, model, expected):
     assert_ran_remotely(pd_mesh, model, results, mixed_prompts(), before)
     prefill = engine_stats(pd_mesh.services["prefill-0"].address, "prefill")
     assert prefill.prefix_hit_tokens >= 0 and prefill.total_blocks == ENGINE["num_blocks"]
+    assert_borrowed_the_prefill_cores(pd_mesh)
     assert_no_blocks_in_use(pd_mesh)
+
+
+def assert_borrowed_the_prefill_cores(mesh) -> None:
+    """Where the launcher lent the decode node the prefill node's core (2 cores or more),
+    the decode node ran steps there (the burst's decode-only tail) and the prefill node
+    borrowed nothing."""
+    decode, prefill = mesh.services["decode-0"], mesh.services["prefill-0"]
+    if not decode.cpu.borrows:
+        return
+    assert decode.cpu.borrows == prefill.cpu.cores
+    assert engine_stats(decode.address, "decode").borrowed_core_steps > 0
+    assert engine_stats(prefill.address, "prefill").borrowed_core_steps == 0
 
 
 @pytest.mark.parametrize("variant", ["grpc-transfer", "both-node", "local-prefill"])
@@ -163,6 +176,7 @@ def test_other_topologies_match_offline(variant, model, start_mesh, expected):
         elif variant == "local-prefill":
             assert not any(msgs[0].prefill_timing.remote for _, _, msgs in results)
             assert bytes_written(mesh) == before
+            assert_borrowed_the_prefill_cores(mesh)
     finally:
         mesh.stop()
 

@@ -256,7 +256,7 @@ def test_launcher_starts_each_service_on_its_share(monkeypatch, tmp_path):
         assert by_name[name].cmd[:4] == [sys.executable, "-m", "services.cli", "serve"]
         assert "OMP_NUM_THREADS" not in by_name[name].env and "OMP_WAIT_POLICY" not in by_name[name].env
     assert mesh.services["decode-0"].status("healthy") == (
-        f"decode-0     decode      healthy at 127.0.0.1:{mesh.services['decode-0'].port} (pid 4242, cores 1, 1 thread)")
+        f"decode-0     decode      healthy at 127.0.0.1:{mesh.services['decode-0'].port} (pid 4242, cores 1, 1 thread, borrows 0 while the prefill node idles)")
     assert mesh.services["gateway"].status("healthy").endswith("(pid 4242, cores 0-1 (not pinned))")
 
 

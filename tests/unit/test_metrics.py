@@ -29,7 +29,7 @@ from services.node.metrics import NodeMetrics
 
 SNAPSHOT = {"running": 3, "waiting": 2, "kv_remote": 1, "held": 0, "free_blocks": 40, "used_blocks": 24,
             "total_blocks": 64, "prefix_hit_tokens": 48, "prefix_query_tokens": 200, "preemptions": 1,
-            "quarantined_blocks": 4, "cached_blocks": 10}
+            "quarantined_blocks": 4, "cached_blocks": 10, "borrowed_core_steps": 7}
 
 
 def value(registry, metric: str, **labels) -> float | None:
@@ -51,6 +51,7 @@ def test_engine_collector_reads_the_snapshot_at_scrape_time():
     assert value(r, "pdmesh:prefix_cache_queries_total", **node) == 200
     assert value(r, "pdmesh:prefix_cache_hits_total", **node) == 48
     assert value(r, "pdmesh:num_preemptions_total", **node) == 1
+    assert value(r, "pdmesh:borrowed_core_steps_total", **node) == 7
     assert value(r, "pdmesh:kv_transfer_bytes_total", node="decode-0", direction="write") == 4096
     assert value(r, "pdmesh:kv_transfer_bytes_total", node="decode-0", direction="read") == 512
     snapshot.update(used_blocks=0, free_blocks=64, quarantined_blocks=0)

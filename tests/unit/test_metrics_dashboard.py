@@ -29,7 +29,8 @@ from services.node.metrics import NodeMetrics
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdmesh.json"
 GRAFANA_VARIABLES = re.compile(r"\$__(rate_interval|interval|range)\b|\$\{__(rate_interval|interval|range)\}")
 SNAPSHOT_KEYS = ("running", "waiting", "kv_remote", "held", "free_blocks", "used_blocks", "total_blocks",
-                 "prefix_hit_tokens", "prefix_query_tokens", "preemptions", "quarantined_blocks", "cached_blocks")
+                 "prefix_hit_tokens", "prefix_query_tokens", "preemptions", "quarantined_blocks", "cached_blocks",
+                 "borrowed_core_steps")
 # what issue 15 asks the dashboard to show, by the metric that carries it
 REQUIRED = {"pdmesh:time_to_first_token_seconds_bucket", "pdmesh:time_per_output_token_seconds_bucket",
             "pdmesh:generation_tokens_total", "pdmesh:kv_cache_usage_perc", "pdmesh:prefix_cache_hits_total",

@@ -100,7 +100,7 @@ class EngineStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("node_id", "running", "waiting", "used_blocks", "free_blocks", "total_blocks", "pending_transfers", "prefix_hit_tokens", "preemptions", "quarantined_blocks", "kv_remote", "transfer_bytes_written", "transfer_bytes_read", "held", "rank_bytes_written", "kv_blocks_staged", "rank_bytes_read")
+    __slots__ = ("node_id", "running", "waiting", "used_blocks", "free_blocks", "total_blocks", "pending_transfers", "prefix_hit_tokens", "preemptions", "quarantined_blocks", "kv_remote", "transfer_bytes_written", "transfer_bytes_read", "held", "rank_bytes_written", "kv_blocks_staged", "rank_bytes_read", "borrowed_core_steps")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class EngineStats(_message.Message):
     RANK_BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_STAGED_FIELD_NUMBER: _ClassVar[int]
     RANK_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    BORROWED_CORE_STEPS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     running: int
     waiting: int
@@ -135,4 +136,5 @@ class EngineStats(_message.Message):
     rank_bytes_written: int
     kv_blocks_staged: int
     rank_bytes_read: int
-    def __init__(self, node_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., pending_transfers: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., quarantined_blocks: _Optional[int] = ..., kv_remote: _Optional[int] = ..., transfer_bytes_written: _Optional[int] = ..., transfer_bytes_read: _Optional[int] = ..., held: _Optional[int] = ..., rank_bytes_written: _Optional[int] = ..., kv_blocks_staged: _Optional[int] = ..., rank_bytes_read: _Optional[int] = ...) -> None: ...
+    borrowed_core_steps: int
+    def __init__(self, node_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., pending_transfers: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., quarantined_blocks: _Optional[int] = ..., kv_remote: _Optional[int] = ..., transfer_bytes_written: _Optional[int] = ..., transfer_bytes_read: _Optional[int] = ..., held: _Optional[int] = ..., rank_bytes_written: _Optional[int] = ..., kv_blocks_staged: _Optional[int] = ..., rank_bytes_read: _Optional[int] = ..., borrowed_core_steps: _Optional[int] = ...) -> None: ...
