@@ -112,6 +112,8 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=190)
     ap.add_argument("--output-len", type=int, default=65)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-borrow-cores", action="store_true",
+                    help="keep the decode node on its own core (by default it borrows the idle prefill node's)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "handoff.json"))
     args = ap.parse_args()
     model = ensure_bench_model()
@@ -123,7 +125,8 @@ def main() -> int:
     print(f"bare grpc.aio unary call: {bare['back_to_back']['p50_ms']:.2f} ms back to back, "
           f"{bare['gap_5ms']['p50_ms']:.2f} ms 5 ms apart (p50)", flush=True)
     mesh = start_pd_mesh(model, ENGINE, prefix="pdmesh-handoff-", nodes=TOPOLOGIES["1p1d"],
-                         meta=topology_meta("1p1d", 1), env={"PDMESH_TIMELINE_DIR": str(lines)})
+                         meta=topology_meta("1p1d", 1), env={"PDMESH_TIMELINE_DIR": str(lines)},
+                         borrow_cores=not args.no_borrow_cores)
     try:
         cfg = ServeConfig(gateway=mesh.gateway_address, rates=(args.rate,), num_prompts=args.num_prompts,
                           random_input_len=args.input_len, random_output_len=args.output_len,
@@ -152,7 +155,7 @@ def main() -> int:
     print(f"hand-off from the timelines: p50 {handoff['p50_ms']:.2f} ms; as bench serve reports it: "
           f"p50 {served['handoff']['median_ms']:.2f} ms ({served['handoff']['requests']} requests)")
     out = {"command": command_line(["python", "bench/handoff.py", *sys.argv[1:]]), "machine": machine_info(),
-           "model": model.name, "rate": args.rate, "num_prompts": args.num_prompts,
+           "model": model.name, "rate": args.rate, "borrow_cores": not args.no_borrow_cores, "num_prompts": args.num_prompts,
            "requests_traced": len(complete), "segments": segments,
            "p50_sum_by_kind_ms": dict(kinds), "handoff_from_timelines": handoff,
            "handoff_bench_serve": served["handoff"], "output_throughput": served["output_throughput"],

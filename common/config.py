@@ -34,7 +34,7 @@ class EngineConfig:
     cores the engine runs on: cpu_cores, or those it was started on), on which its steps
     add one thread each while none of its requests is prefilled remotely
     (common/engine/borrowed_cores.py; `pdmesh up` sets it); () = none. Needs
-    tensor_parallel_size 1."""
+    tensor_parallel_size 1; used on device cpu only."""
 
     model: str
     model_id: str = ""

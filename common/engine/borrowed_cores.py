@@ -7,9 +7,11 @@ sit idle while the decode node decodes on its own; a colocated node would decode
 of them. `engine.borrow_cores` names such cores: the decode node's steps add one OpenMP
 thread per borrowed core for every step in which none of its requests is prefilled
 remotely (the scheduler holds no request in KV_REMOTE and none waiting to get there),
-and drop them again for the first step in which one is. So the prefill node gets its
-cores back at the next step boundary after a Prefill call leaves, at the latest (a step
-in flight keeps its threads: a decode step is tens of ms against a prefill's hundreds).
+and drop them again as soon as one arrives: `want_back()` (called when a request that
+will be prefilled remotely is added, from whichever thread adds it) makes the step in
+flight drop them after the layer it is in (`between_layers`, the forward pass's layer
+hook), so a prefill node starting on that request shares its cores for one layer at
+most, not for the rest of a decode step.
 
 The rule sees only this node's requests: it is right where the prefill nodes on those
 cores serve this decode node alone (what `pdmesh up` plans: one decode node and the
@@ -75,9 +77,28 @@ class BorrowedCores:
         self.usable = True        # False once the OS refused the borrowed cores
         self.num_steps = 0        # steps run with the borrowed cores
         self._warned = False
+        self._wanted_back = False
+
+    def want_back(self) -> None:
+        """Any thread: the borrowed cores are needed back (a remote prefill is coming); the
+        step in flight drops them at its next layer boundary."""
+        self._wanted_back = True
+
+    def clear_wanted_back(self) -> None:
+        """Step thread, before fit(): what want_back asked for is in the rule from now."""
+        self._wanted_back = False
+
+    def between_layers(self, layer: int) -> None:
+        """Step thread, inside the forward pass after each layer: drop the borrowed
+        threads when want_back() was called."""
+        if self._wanted_back and self.borrowing:
+            torch.set_num_threads(self.own_threads)
+            self.borrowing = False
 
     def fit(self, borrow: bool) -> None:
-        """Before a step: run it with the borrowed cores (borrow) or on the own ones only."""
+        """Before a step, after clear_wanted_back() (borrow: the rule, evaluated after the
+        flag was cleared, so a later want_back still reaches this step): run it with the
+        borrowed cores or on the own ones only."""
         borrow = borrow and self.usable
         if borrow != self.borrowing:
             if borrow:

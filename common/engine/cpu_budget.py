@@ -19,10 +19,10 @@ and the launcher can use the parsing helpers cheaply.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 

@@ -94,7 +94,7 @@ class LLMEngine:
         self.borrowed_cores = None
         if tp_size == 1:
             threads = cpu_budget.apply(config.cpu_cores, config.num_threads)
-            if config.borrow_cores:
+            if config.borrow_cores and config.device == "cpu":   # on a device the host threads matter little
                 self.borrowed_cores = BorrowedCores(config.cpu_cores or cpu_budget.allowed_cpus(), threads,
                                                     config.borrow_cores)
             self.device = torch.device(config.device)
@@ -202,6 +202,8 @@ class LLMEngine:
                        resume_position=resume_position)
         self._arrivals += 1
         self._requests[request_id] = seq
+        if kv_remote and self.borrowed_cores is not None:
+            self.borrowed_cores.want_back()
         self.scheduler.add(seq)
         return seq
 
@@ -309,10 +311,13 @@ class LLMEngine:
         self.last_step_empty = sched.is_empty and not sched.preempted
         if sched.is_empty:
             return self.take_outputs()
+        between_layers = None
         if self.borrowed_cores is not None:
+            self.borrowed_cores.clear_wanted_back()
             self.borrowed_cores.fit(borrow=not self.scheduler.has_remote_kv())
+            between_layers = self.borrowed_cores.between_layers if self.borrowed_cores.borrowing else None
         with self.forward_window():
-            logits, sample_seqs = self.runner.execute(sched)
+            logits, sample_seqs = self.runner.execute(sched, between_layers)
         if self.device.type != "cpu" and any(s.on_computed is not None for s in sched.prefill_seqs):
             torch.accelerator.synchronize(self.device)   # a push reads the KV the step's kernels wrote
         for seq in sched.decode_seqs:

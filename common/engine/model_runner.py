@@ -125,15 +125,17 @@ class ModelRunner:
         return ids, batch, inputs.sample_rows, seqs
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
+    def execute(self, sched: SchedulerOutput, between_layers: Callable[[int], None] | None = None
+                ) -> tuple[torch.Tensor | None, list[Sequence]]:
         """Run the step; returns float32 logits [len(sample_seqs), vocab] (None if no
-        sequence samples this step) and the sequences they belong to. At tensor
+        sequence samples this step) and the sequences they belong to. between_layers(i):
+        called on this thread after layer i, after the sequences' layer hooks. At tensor
         parallelism, RuntimeError when another rank failed (and every later step too)."""
         inputs, seqs = self.plan(sched)
         if self.tp is None:
-            return self.forward(inputs, self._layer_hook(sched)), seqs
+            return self.forward(inputs, self._layer_hook(sched, between_layers)), seqs
         with self.tp.step(inputs):
-            return self.forward(inputs, self._layer_hook(sched)), seqs
+            return self.forward(inputs, self._layer_hook(sched, between_layers)), seqs
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, on_layer: Callable[[int], None] | None = None) -> torch.Tensor | None:
@@ -148,9 +150,10 @@ class ModelRunner:
             hidden = hidden[torch.tensor(rows, device=self.device)]
         return self.model.logits(hidden)
 
-    def _layer_hook(self, sched: SchedulerOutput) -> Callable[[int], None] | None:
+    def _layer_hook(self, sched: SchedulerOutput, between_layers: Callable[[int], None] | None = None
+                    ) -> Callable[[int], None] | None:
         """The forward pass's on_layer: each prefill sequence's on_computed.on_layer for its
-        chunk; None when no sequence of the step has one."""
+        chunk, then between_layers; None when there is neither."""
         hooks = []
         for seq, n in zip(sched.prefill_seqs, sched.prefill_lens):
             on_layer = getattr(seq.on_computed, "on_layer", None)
@@ -158,7 +161,7 @@ class ModelRunner:
                 start = seq.num_computed_tokens
                 hooks.append((on_layer, seq, start, start + n))
         if not hooks:
-            return None
+            return between_layers
         device = self.device if self.device.type != "cpu" else None
 
         def on_layer(layer: int) -> None:
@@ -166,5 +169,7 @@ class ModelRunner:
                 torch.accelerator.synchronize(device)
             for hook, seq, start, end in hooks:
                 hook(seq, layer, start, end)
+            if between_layers is not None:
+                between_layers(layer)
 
         return on_layer

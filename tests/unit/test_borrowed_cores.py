@@ -1,8 +1,9 @@
 """A decode node borrowing the prefill node's cores (common/engine/borrowed_cores.py,
 engine.borrow_cores): the borrowed threads really run on the borrowed cores and stay
 asleep there between borrowing spells, the engine borrows exactly for the steps in which
-none of its requests waits on remote KV, its tokens do not change, and `pdmesh up`
-plans it only where the decode node sees all of the prefill nodes' work.
+none of its requests waits on remote KV (and drops them after a layer when one comes),
+its tokens do not change, and `pdmesh up` plans it only where the decode node sees all
+of the prefill nodes' work.
 
 Thread counts and affinities change process-wide, so the engine cases run in a child
 process pinned to core 0 (they need two cores); the test process keeps its own."""
@@ -98,7 +99,16 @@ step(); step()                           # "remote" was admitted into KV_REMOTE:
 engine.fail_remote("remote", writer_settled=True)   # computed here now: nothing remote left
 while engine.has_unfinished():
     step()
-print(json.dumps({"tokens": tokens, "trace": trace}))
+late = {}
+if borrow:   # a remote prefill added while a step borrows: it drops them after the layer it is in
+    import torch
+    b = engine.borrowed_cores
+    late["before"] = [b.borrowing, torch.get_num_threads()]
+    engine.add_request("late", list(range(7, 20)), params, kv_remote=True)
+    b.between_layers(0)
+    late["after"] = [b.borrowing, torch.get_num_threads()]
+    engine.abort("late", True)
+print(json.dumps({"tokens": tokens, "trace": trace, "late": late}))
 """
 
 
@@ -115,6 +125,7 @@ def test_the_engine_borrows_exactly_while_nothing_is_remote_and_its_tokens_do_no
     assert all(remote is False and borrowing is True for remote, borrowing, _ in rest)
     assert [n for _, _, n in rest] == list(range(1, len(rest) + 1))
     assert all(b is None and n == 0 for _, b, n in alone["trace"])
+    assert borrowed["late"] == {"before": [True, 2], "after": [False, 1]}
 
 
 def test_borrow_cores_is_checked_where_it_is_set(monkeypatch):
