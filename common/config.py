@@ -74,10 +74,14 @@ class EngineConfig:
         object.__setattr__(self, "cpu_cores", parse_cpu_list(self.cpu_cores))   # "0-3,6" -> (0, 1, 2, 3, 6)
         check_cpu_cores(self.cpu_cores)
         object.__setattr__(self, "borrow_cores", parse_cpu_list(self.borrow_cores, "borrow_cores"))
-        if self.borrow_cores and (tp > 1 or set(self.cpu_cores) & set(self.borrow_cores)
-                                  or max(self.borrow_cores) >= (os.cpu_count() or 1)):
-            raise ValueError(f"borrow_cores must be cores of this host ({format_cpu_list(range(os.cpu_count() or 1))}) "
-                             f"outside cpu_cores, at tensor_parallel_size 1, got {format_cpu_list(self.borrow_cores)}")
+        if self.borrow_cores:
+            host = os.cpu_count() or 1
+            if tp > 1:
+                raise ValueError(f"borrow_cores needs tensor_parallel_size 1, got {tp}")
+            if max(self.borrow_cores) >= host or set(self.cpu_cores) & set(self.borrow_cores):
+                raise ValueError(f"borrow_cores must be cores of this host ({format_cpu_list(range(host))}) "
+                                 f"outside cpu_cores ({format_cpu_list(self.cpu_cores) or 'none'}), "
+                                 f"got {format_cpu_list(self.borrow_cores)}")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":
@@ -325,6 +329,15 @@ class MeshConfig:
     timeouts: TimeoutConfig = TimeoutConfig()
     limits: LimitsConfig = LimitsConfig()
     security: SecurityConfig = SecurityConfig()
+
+    def __post_init__(self) -> None:
+        if self.engine.get("borrow_cores"):
+            raise ValueError("engine.borrow_cores would lend cores to every node: set it in a decode "
+                             "node's own section (nodes[].engine.borrow_cores)")
+        for node in self.nodes:
+            if node.role != "decode" and (node.engine or {}).get("borrow_cores"):
+                raise ValueError(f"nodes[{node.node_id}].engine.borrow_cores: only a decode node borrows "
+                                 f"cores, this node's role is {node.role}")
 
     def engine_config(self, node: NodeConfig | None = None) -> EngineConfig:
         """The engine of `node` (the mesh's engine section, then the node's own fields), or

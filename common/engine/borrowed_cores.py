@@ -9,20 +9,25 @@ thread per borrowed core for every step in which none of its requests is prefill
 remotely (the scheduler holds no request in KV_REMOTE and none waiting to get there),
 and drop them again as soon as one arrives: `want_back()` (called when a request that
 will be prefilled remotely is added, from whichever thread adds it) makes the step in
-flight drop them after the layer it is in (`between_layers`, the forward pass's layer
-hook), so a prefill node starting on that request shares its cores for one layer at
-most, not for the rest of a decode step.
+flight drop them at its next layer boundary (`between_layers`: after each layer's
+attention, and before the logits), so a prefill node starting on that request shares
+its cores for about one layer, not for the rest of a decode step. Blocks a remote
+writer may still write (quarantined) count as remote work too.
 
 The rule sees only this node's requests: it is right where the prefill nodes on those
 cores serve this decode node alone (what `pdmesh up` plans: one decode node and the
-prefill nodes on the host). With other callers the cores are shared for a step or two.
+prefill nodes on the host). Prefills those nodes run for anyone else (another mesh's
+decode nodes, say) share the cores with this node's borrowed threads for as long as
+they last; don't lend cores there.
 
 How the threads get there: a thread's CPU affinity is copied to the threads it creates.
 Each time the count goes up, the step thread moves itself onto the borrowed cores, raises
 torch's thread count and runs one parallel op, so the OpenMP runtime (libgomp) starts its
-new pool threads there, then moves itself back onto its own cores. libgomp keeps a pool
-thread asleep (OMP_WAIT_POLICY=PASSIVE) while the steps run with fewer threads, and
-starts a new one when it ended it. `on_borrowed` counts what did land on the borrowed
+new pool threads there, then moves itself back onto its own cores (the own threads are
+started on the own cores first, so the pool's first threads are those). libgomp keeps a
+pool thread asleep (OMP_WAIT_POLICY=PASSIVE) while the steps run with fewer threads, and
+starts a new one when it ended it. Under OMP_WAIT_POLICY=ACTIVE parked threads would
+spin on the borrowed cores for good: nothing is borrowed then. `on_borrowed` counts what did land on the borrowed
 cores, so a runtime that places threads otherwise shows up as a warning, once.
 
 Not thread-safe: the step thread calls fit() between steps (LLMEngine.step).
@@ -74,7 +79,10 @@ class BorrowedCores:
                              f"({format_cpu_list(own_cores)}), got {format_cpu_list(borrowed)}")
         self.own_cores, self.own_threads, self.borrowed = tuple(own_cores), own_threads, tuple(borrowed)
         self.borrowing = False
-        self.usable = True        # False once the OS refused the borrowed cores
+        self.usable = os.environ.get("OMP_WAIT_POLICY", "").lower() != "active"   # False: never borrow
+        if not self.usable:
+            log.warning("borrow_cores %s unused: OMP_WAIT_POLICY=ACTIVE would keep threads spinning there",
+                        format_cpu_list(borrowed))
         self.num_steps = 0        # steps run with the borrowed cores
         self._warned = False
         self._wanted_back = False
@@ -89,8 +97,8 @@ class BorrowedCores:
         self._wanted_back = False
 
     def between_layers(self, layer: int) -> None:
-        """Step thread, inside the forward pass after each layer: drop the borrowed
-        threads when want_back() was called."""
+        """Step thread, inside the forward pass after each layer's attention and before
+        the logits: drop the borrowed threads when want_back() was called."""
         if self._wanted_back and self.borrowing:
             torch.set_num_threads(self.own_threads)
             self.borrowing = False
@@ -110,6 +118,8 @@ class BorrowedCores:
             self.num_steps += 1
 
     def _start_borrowed_threads(self) -> bool:
+        torch.set_num_threads(self.own_threads)
+        torch.empty(_SPAWN_NUMEL).fill_(0.0)   # the own pool threads exist, on the own cores
         try:
             os.sched_setaffinity(0, set(self.borrowed))
         except OSError as e:   # outside this container's cpuset, say: stay on the own cores

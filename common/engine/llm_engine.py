@@ -94,7 +94,7 @@ class LLMEngine:
         self.borrowed_cores = None
         if tp_size == 1:
             threads = cpu_budget.apply(config.cpu_cores, config.num_threads)
-            if config.borrow_cores and config.device == "cpu":   # on a device the host threads matter little
+            if config.borrow_cores and config.device.split(":")[0] == "cpu":   # on a device the host threads matter little
                 self.borrowed_cores = BorrowedCores(config.cpu_cores or cpu_budget.allowed_cpus(), threads,
                                                     config.borrow_cores)
             self.device = torch.device(config.device)

@@ -129,20 +129,25 @@ class ModelRunner:
                 ) -> tuple[torch.Tensor | None, list[Sequence]]:
         """Run the step; returns float32 logits [len(sample_seqs), vocab] (None if no
         sequence samples this step) and the sequences they belong to. between_layers(i):
-        called on this thread after layer i, after the sequences' layer hooks. At tensor
+        called on this thread after layer i's attention (after the sequences' layer
+        hooks), and with i = the number of layers before the logits. At tensor
         parallelism, RuntimeError when another rank failed (and every later step too)."""
         inputs, seqs = self.plan(sched)
         if self.tp is None:
-            return self.forward(inputs, self._layer_hook(sched, between_layers)), seqs
+            return self.forward(inputs, self._layer_hook(sched, between_layers), between_layers), seqs
         with self.tp.step(inputs):
-            return self.forward(inputs, self._layer_hook(sched, between_layers)), seqs
+            return self.forward(inputs, self._layer_hook(sched, between_layers), between_layers), seqs
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs, on_layer: Callable[[int], None] | None = None) -> torch.Tensor | None:
+    def forward(self, inputs: StepInputs, on_layer: Callable[[int], None] | None = None,
+                before_logits: Callable[[int], None] | None = None) -> torch.Tensor | None:
         """The forward pass of a step's inputs on this rank: logits of the sample rows
-        (None when none samples, and on ranks other than 0)."""
+        (None when none samples, and on ranks other than 0). before_logits(num_layers):
+        called after the last layer."""
         input_ids, batch = self.tensors(inputs)
         hidden = self.model(input_ids, batch, self.kv_cache, on_layer)
+        if before_logits is not None:
+            before_logits(len(self.model.layers))
         rows = inputs.sample_rows
         if not rows:
             return None

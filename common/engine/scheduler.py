@@ -84,9 +84,10 @@ class Scheduler:
         return bool(self.waiting or self.running or self.ready)
 
     def has_remote_kv(self) -> bool:
-        """Some request's KV is being filled from elsewhere (KV_REMOTE) or will be (waiting
-        with kv_remote)."""
-        return bool(self.remote) or any(seq.kv_remote for seq in self.waiting)
+        """Some request's KV is being filled from elsewhere (KV_REMOTE), will be (waiting
+        with kv_remote), or may still be written by a writer not known to have stopped
+        (quarantined)."""
+        return bool(self.remote or self.quarantined) or any(seq.kv_remote for seq in self.waiting)
 
     @property
     def num_seats_taken(self) -> int:

@@ -109,8 +109,8 @@ async def _serve(args) -> None:
     if args.advertise_host:
         mesh, node_cfg = _with_advertise_host(mesh, node_cfg, args.role, args.advertise_host)
     if args.borrow_cores:
-        if node_cfg is None:
-            raise ValueError(f"--borrow-cores is for engine roles, not {args.role}")
+        if args.role != "decode":
+            raise ValueError(f"--borrow-cores is for the decode role, not {args.role}")
         node_cfg = dataclasses.replace(node_cfg, engine={**node_cfg.engine, "borrow_cores": args.borrow_cores})
     name = node_cfg.node_id if node_cfg is not None else args.role
     credentials = load_credentials(mesh.security, name,

@@ -148,14 +148,12 @@ def test_disaggregated_mooncake_matches_offline(pd_mesh, model, expected):
 
 def assert_borrowed_the_prefill_cores(mesh) -> None:
     """Where the launcher lent the decode node the prefill node's core (2 cores or more),
-    the decode node ran steps there (the burst's decode-only tail) and the prefill node
-    borrowed nothing."""
+    the decode node ran steps there (the burst's decode-only tail)."""
     decode, prefill = mesh.services["decode-0"], mesh.services["prefill-0"]
     if not decode.cpu.borrows:
         return
     assert decode.cpu.borrows == prefill.cpu.cores
     assert engine_stats(decode.address, "decode").borrowed_core_steps > 0
-    assert engine_stats(prefill.address, "prefill").borrowed_core_steps == 0
 
 
 @pytest.mark.parametrize("variant", ["grpc-transfer", "both-node", "local-prefill"])

@@ -133,12 +133,14 @@ def test_borrow_cores_is_checked_where_it_is_set(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     assert EngineConfig("m", cpu_cores="0", borrow_cores="1-2").borrow_cores == (1, 2)
     assert EngineConfig("m").borrow_cores == ()
-    for fields in ({"cpu_cores": "0-1", "borrow_cores": "1"}, {"borrow_cores": "4"},
-                   {"borrow_cores": "1", "tensor_parallel_size": 2}):
+    for fields, message in (
+            ({"cpu_cores": "0-1", "borrow_cores": "1"}, "outside cpu_cores (0-1), got 1"),
+            ({"borrow_cores": "3-4"}, "outside cpu_cores (none), got 3-4")):
         with pytest.raises(ValueError) as e:
             EngineConfig("m", **fields)
-        assert str(e.value).startswith("borrow_cores must be cores of this host (0-3) outside cpu_cores, "
-                                       "at tensor_parallel_size 1, got ")
+        assert str(e.value) == "borrow_cores must be cores of this host (0-3) " + message
+    with pytest.raises(ValueError, match=r"^borrow_cores needs tensor_parallel_size 1, got 2$"):
+        EngineConfig("m", borrow_cores="1", tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r'^borrow_cores must be core ids such as "0-3,6"'):
         EngineConfig("m", borrow_cores="x")
     with pytest.raises(ValueError, match=r"^borrow_cores must be outside the cores this engine runs on \(0-1\), got 1$"):
@@ -204,8 +206,36 @@ def test_the_launcher_passes_the_borrowed_cores_to_the_decode_node(monkeypatch, 
             "(pid 4242, cores 1, 1 thread, borrows 0 while the prefill node idles)")
     else:
         assert "--borrow-cores" not in decode
-    explicit = dataclasses.replace(mesh_config_from_dict(raw), engine={"borrow_cores": "0"})
-    mesh = launcher.MeshProcesses("x.yaml", explicit, tmp_path, quiet=True)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    own = {**raw, "nodes": [raw["nodes"][0], {**raw["nodes"][1], "engine": {"borrow_cores": "0"}}]}
+    mesh = launcher.MeshProcesses("x.yaml", mesh_config_from_dict(own), tmp_path, quiet=True)
     mesh._plan()      # the config's own borrow_cores wins: nothing planned on top
     assert all(s.cpu.borrows == () for s in mesh.services.values())
+
+
+def test_borrow_cores_belongs_to_a_decode_node_alone():
+    raw = {"model": "m", "nodes": [{"role": "prefill", "node_id": "prefill-0"}, {"role": "decode", "node_id": "decode-0"}]}
+    with pytest.raises(ValueError) as e:
+        mesh_config_from_dict({**raw, "engine": {"borrow_cores": "0"}})
+    assert str(e.value) == ("engine.borrow_cores would lend cores to every node: set it in a decode "
+                            "node's own section (nodes[].engine.borrow_cores)")
+    prefill = {**raw["nodes"][0], "engine": {"borrow_cores": "1"}}
+    with pytest.raises(ValueError) as e:
+        mesh_config_from_dict({**raw, "nodes": [prefill, raw["nodes"][1]]})
+    assert str(e.value) == ("nodes[prefill-0].engine.borrow_cores: only a decode node borrows cores, "
+                            "this node's role is prefill")
+
+
+def test_a_quarantined_remote_writer_counts_as_remote_work(tiny_model, llm_factory):
+    """Blocks a prefill node may still write: it may still be computing, so nothing is
+    borrowed until its writes are known to have ended."""
+    from common.engine.sampling_params import SamplingParams
+    engine = llm_factory(tiny_model("llama"), max_model_len=256).engine
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request("q", list(range(3, 30)), params, kv_remote=True)
+    engine.admit_remote()
+    assert engine.scheduler.has_remote_kv() and "q" in engine.scheduler.remote
+    engine.abort("q", writer_settled=False)
+    assert "q" not in engine.scheduler.remote and engine.scheduler.has_remote_kv()
+    engine.release_quarantine("q")
+    assert not engine.scheduler.has_remote_kv()
