@@ -37,11 +37,11 @@ class HeldForward:
         self.batches: list[list[str]] = []
         monkeypatch.setattr(runner, "execute", self)
 
-    def __call__(self, sched):
+    def __call__(self, sched, between_layers=None):
         self.batches.append(sorted(s.request_id for s in (*sched.decode_seqs, *sched.prefill_seqs)))
         self.entered.set()
         assert self.gate.wait(10), "the test never opened the gate"
-        return self.execute(sched)
+        return self.execute(sched, between_layers)
 
     @property
     def held(self) -> bool:

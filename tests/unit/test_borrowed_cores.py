@@ -226,11 +226,13 @@ def test_borrow_cores_belongs_to_a_decode_node_alone():
                             "this node's role is prefill")
 
 
-def test_a_quarantined_remote_writer_counts_as_remote_work(tiny_model, llm_factory):
+def test_a_quarantined_remote_writer_counts_as_remote_work(tiny_model):
     """Blocks a prefill node may still write: it may still be computing, so nothing is
-    borrowed until its writes are known to have ended."""
+    borrowed until its writes are known to have ended. (An engine of its own: a cached
+    one may carry an AsyncEngine's admission hook from an earlier test.)"""
+    from common.engine.llm_engine import LLMEngine
     from common.engine.sampling_params import SamplingParams
-    engine = llm_factory(tiny_model("llama"), max_model_len=256).engine
+    engine = LLMEngine(EngineConfig(str(tiny_model("llama")), num_blocks=64, block_size=16, max_model_len=256))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.add_request("q", list(range(3, 30)), params, kv_remote=True)
     engine.admit_remote()
@@ -238,4 +240,4 @@ def test_a_quarantined_remote_writer_counts_as_remote_work(tiny_model, llm_facto
     engine.abort("q", writer_settled=False)
     assert "q" not in engine.scheduler.remote and engine.scheduler.has_remote_kv()
     engine.release_quarantine("q")
-    assert not engine.scheduler.has_remote_kv()
+    assert not engine.scheduler.has_remote_kv() and engine.num_used_blocks == 0

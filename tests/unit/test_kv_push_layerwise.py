@@ -133,8 +133,8 @@ def record_step_order(pair, events: list) -> None:
         layer.attention, layer.mlp = logged_attention, logged_mlp
     execute = engine.runner.execute
 
-    def logged_execute(sched):
-        out = execute(sched)
+    def logged_execute(sched, between_layers=None):
+        out = execute(sched, between_layers)
         events.append(("step_end",))
         return out
 
