@@ -39,7 +39,7 @@ import os
 
 import torch
 
-from common.engine.cpu_budget import format_cpu_list
+from common.engine.cpu_budget import format_cpu_list, parse_cpu_list
 
 log = logging.getLogger("pdmesh.engine")
 
@@ -55,18 +55,10 @@ def thread_cores() -> dict[int, frozenset[int]]:
             with open(f"/proc/self/task/{tid}/status") as status:
                 for line in status:
                     if line.startswith("Cpus_allowed_list:"):
-                        cores[int(tid)] = frozenset(_parse_list(line.split(":", 1)[1].strip()))
+                        cores[int(tid)] = frozenset(parse_cpu_list(line.split(":", 1)[1].strip()))
         except OSError:
             pass   # the thread ended meanwhile
     return cores
-
-
-def _parse_list(text: str) -> set[int]:
-    ids: set[int] = set()
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        ids.update(range(int(lo), int(hi or lo) + 1))
-    return ids
 
 
 class BorrowedCores:
