@@ -18,6 +18,8 @@ import time
 
 import pytest
 
+from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
+from tests.channels import operator_channel_sync
 from tests.faults.conftest import busiest_decode, members, restart_exited, wait_members
 from tests.integration.conftest import engine_stats
 from tests.integration.test_mesh import assert_no_blocks_in_use
@@ -45,10 +47,13 @@ def baseline_a(mesh_a, work, fault_table):
 
 async def until(predicate, timeout_s: float = 60.0, what: str = "the moment") -> None:
     """Poll predicate (which may make blocking calls: it runs in a thread, off the
-    clients' event loop) until true."""
+    clients' event loop) until true. A predicate with a describe() method says in the
+    failure what it saw last."""
     deadline = time.monotonic() + timeout_s
     while not await asyncio.to_thread(predicate):
-        assert time.monotonic() < deadline, f"never reached {what}"
+        if time.monotonic() >= deadline:
+            seen = await asyncio.to_thread(predicate.describe) if hasattr(predicate, "describe") else ""
+            raise AssertionError(f"never reached {what} in {timeout_s:.0f} s{seen}")
         await asyncio.sleep(0.01)
 
 
@@ -65,12 +70,40 @@ def kv_remote(mesh) -> int:
     return sum(engine_stats(s.address, "decode").kv_remote for s in mesh.services.values() if s.role == "decode")
 
 
-def prefilling(mesh) -> bool:
-    """The prefill node is computing prompts now, with decode nodes waiting on it. Asked of
-    the prefill node itself: a decode node's count alone may be a request of the case
-    before, still settling on a node that has just come back."""
-    stats = engine_stats(mesh.services["prefill-0"].address, "prefill")
-    return stats.running + stats.waiting >= 1 and kv_remote(mesh) >= 1
+class Prefilling:
+    """Predicate: the prefill node has started on this case's prompts (it is computing one
+    now, or has pushed KV since this was made) and decode nodes still wait on it. The
+    prompts repeat from case to case, so the prefill node's prefix cache makes each one
+    brief: "computing now" alone can fall between two polls for a whole burst (CI saw
+    that once); the bytes it pushed only grow. Asked of the prefill node itself: a decode
+    node's kv_remote alone may be a request of the case before, still settling on a node
+    that has just come back. Keeps what it saw, so a moment never reached says why."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self.bytes_at_start = self._prefill_stats().transfer_bytes_written
+        self.seen: list[tuple[int, int, int, int]] = []
+
+    def _prefill_stats(self):
+        return engine_stats(self.mesh.services["prefill-0"].address, "prefill")
+
+    def __call__(self) -> bool:
+        stats = self._prefill_stats()
+        pushed = stats.transfer_bytes_written - self.bytes_at_start
+        started = stats.running + stats.waiting >= 1 or pushed > 0
+        remote = kv_remote(self.mesh) if started else -1
+        self.seen.append((stats.running, stats.waiting, pushed, remote))
+        return started and remote >= 1
+
+    def describe(self) -> str:
+        with operator_channel_sync(self.mesh.meta_address) as ch:
+            route = meta_pb2_grpc.MetaAdminStub(ch).GetStats(meta_pb2.GetStatsRequest(), timeout=5)
+            nodes = meta_pb2_grpc.MetaServerStub(ch).ListMembers(meta_pb2.ListMembersRequest(), timeout=5).nodes
+        started = [s for s in self.seen if s[3] >= 0]
+        return (f"; polls {len(self.seen)}, {len(started)} with the prefill node started "
+                f"(running, waiting, bytes pushed, decode kv_remote: {started[-3:]}); routed "
+                f"{route.num_routed}, prefilled on the decode node {route.num_local_prefill}; "
+                "members " + ", ".join(f"{n.node_id}{' (stalled)' if n.load.stalled else ''}" for n in nodes))
 
 
 def finish(mesh, work, fault_table, case: str, outcomes, baseline, **row_args) -> dict:
@@ -133,7 +166,7 @@ def test_decode_node_stopped_for_10s(mesh_a, work, baseline_a, fault_table):
 
 def test_prefill_node_killed_mid_prefill(mesh_a, work, baseline_a, fault_table):
     async def fault(progress):
-        await until(lambda: prefilling(mesh_a), what="a prompt being prefilled on the prefill node")
+        await until(Prefilling(mesh_a), what="a prompt being prefilled on the prefill node")
         mesh_a.kill("prefill-0")
 
     outcomes, _ = asyncio.run(work.run(mesh_a.gateway_address, fault))
@@ -145,7 +178,7 @@ def test_prefill_node_killed_mid_prefill(mesh_a, work, baseline_a, fault_table):
 @pytest.mark.long_fault
 def test_prefill_node_stopped_for_10s(mesh_a, work, baseline_a, fault_table):
     async def fault(progress):
-        await until(lambda: prefilling(mesh_a), what="a prompt being prefilled on the prefill node")
+        await until(Prefilling(mesh_a), what="a prompt being prefilled on the prefill node")
         os.killpg(pid(mesh_a, "prefill-0"), signal.SIGSTOP)
         await asyncio.sleep(STOP_S)
         os.killpg(pid(mesh_a, "prefill-0"), signal.SIGCONT)
