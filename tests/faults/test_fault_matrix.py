@@ -73,11 +73,12 @@ def kv_remote(mesh) -> int:
 class Prefilling:
     """Predicate: the prefill node has started on this case's prompts (it is computing one
     now, or has pushed KV since this was made) and decode nodes still wait on it. The
-    prompts repeat from case to case, so the prefill node's prefix cache makes each one
-    brief: "computing now" alone can fall between two polls for a whole burst (CI saw
-    that once); the bytes it pushed only grow. Asked of the prefill node itself: a decode
-    node's kv_remote alone may be a request of the case before, still settling on a node
-    that has just come back. Keeps what it saw, so a moment never reached says why."""
+    prompts repeat from case to case and the decode nodes hold their prefixes, so the
+    prefill node's share of a burst is a few tokens each, about 0.2 s in all: "computing
+    now" alone may fall between two polls (CI saw a case never reach it once); the bytes
+    it pushed only grow. Asked of the prefill node itself: a decode node's kv_remote alone
+    may be a request of the case before, still settling on a node that has just come
+    back. Keeps what it saw, so a moment never reached says why."""
 
     def __init__(self, mesh):
         self.mesh = mesh
@@ -166,8 +167,15 @@ def test_decode_node_stopped_for_10s(mesh_a, work, baseline_a, fault_table):
 
 def test_prefill_node_killed_mid_prefill(mesh_a, work, baseline_a, fault_table):
     async def fault(progress):
-        await until(Prefilling(mesh_a), what="a prompt being prefilled on the prefill node")
+        watch = Prefilling(mesh_a)
+        await until(watch, what="a prompt being prefilled on the prefill node")
+        # frozen first, so the moment holds while it is checked: the burst's prompts are
+        # prefix hits on the decode nodes, and the prefill node's share of it lasts ~0.2 s
+        os.killpg(pid(mesh_a, "prefill-0"), signal.SIGSTOP)
+        await asyncio.sleep(0.1)                  # answers already on their way land
+        waiting = await asyncio.to_thread(kv_remote, mesh_a)
         mesh_a.kill("prefill-0")
+        assert waiting >= 1, "the burst ended before the prefill node stopped" + await asyncio.to_thread(watch.describe)
 
     outcomes, _ = asyncio.run(work.run(mesh_a.gateway_address, fault))
     finish(mesh_a, work, fault_table, "prefill node kill -9 mid-prefill", outcomes, baseline_a)
