@@ -3,6 +3,10 @@ between its KV cache and the store's pool.
 
     get:  pin(hashes, token_ids) -> Pinned | None ; fetch(pinned, from, to, block_ids) ;
           release(pinned) -> the read was valid (the slots held those blocks throughout)
+          Each PinGet names its pin (a UUID): when its answer does not come back (deadline,
+          cancel, this process stopped meanwhile) the pin is released by that name in the
+          background, instead of holding the store's blocks for the whole pin lease; a
+          Release that gets no answer is sent once more (ending a pin twice is harmless).
     put:  put(block_ids, hashes, token_ids) -> blocks written (reserve, write, commit)
 
 The store is an optimisation, never a dependency: every failure (store down, timeout,
@@ -23,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -37,6 +42,14 @@ from protos.pdmesh.v1 import kv_store_pb2, kv_store_pb2_grpc
 from services.node import grpc_util
 
 log = logging.getLogger("pdmesh.kv_store.client")
+
+# codes the store answers itself, having pinned nothing; after any other failure of a
+# PinGet the store may hold the pin: it is released by name (UNAVAILABLE too: a store that
+# is down refuses that Release as well, and one that answered it pinned nothing and just
+# remembers the name for a lease)
+PINNED_NOTHING = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+                            grpc.StatusCode.NOT_FOUND})
 
 
 @dataclass
@@ -68,6 +81,9 @@ class KVStoreClient:
         self.stub = kv_store_pb2_grpc.KVStoreStub(self._channel)
         self.available = True
         self.num_loaded_blocks = self.num_put_blocks = 0
+        self.num_unanswered_pins_released = 0     # pins ended by name after a lost PinGet answer
+        self._releases: set[asyncio.Task] = set()
+        self._closed = False
 
     async def answers(self, timeout_s: float) -> bool:
         """Whether the store answers a Stats call within timeout_s (its process runs)."""
@@ -101,13 +117,19 @@ class KVStoreClient:
         """Pin the store's leading hits of the chain; None when it holds none or fails."""
         if not hashes:
             return None
-        asked = time.monotonic()
+        asked, name = time.monotonic(), uuid.uuid4().hex
         try:
             reply = await self.stub.PinGet(kv_store_pb2.PinGetRequest(
-                space=self.space, block_hashes=hashes, token_ids=token_ids), timeout=self.timeout_s)
+                space=self.space, block_hashes=hashes, token_ids=token_ids, pin_id=name),
+                timeout=self.timeout_s)
         except grpc.aio.AioRpcError as e:
             self._failed("PinGet", e)
+            if e.code() not in PINNED_NOTHING:
+                self._release_unanswered(name)
             return None
+        except asyncio.CancelledError:
+            self._release_unanswered(name)
+            raise
         self._ok()
         if not reply.pin_id:
             return None
@@ -118,6 +140,37 @@ class KVStoreClient:
             await self.release(pinned)
             return None
         return pinned
+
+    def _release_unanswered(self, name: str) -> None:
+        """End the pin a PinGet may have made without its answer reaching us (best effort:
+        the pin's lease ends it anyway; none once close() began)."""
+        if self._closed:
+            return
+
+        async def release() -> None:
+            try:
+                reply = await self._release_call(kv_store_pb2.ReleaseRequest(pin_id=name))
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
+                log.debug("kv-store at %s: Release of an unanswered pin failed (%s)", self.address, e)
+                return
+            if reply.valid:               # without slots: the pin was live, and is now ended
+                self.num_unanswered_pins_released += 1
+        task = asyncio.get_running_loop().create_task(release())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release_call(self, request: kv_store_pb2.ReleaseRequest) -> kv_store_pb2.ReleaseResponse:
+        """Release, sent a second time when the first got no answer: a process stopped
+        (SIGSTOP) right after it made the call resumes past its deadline without having
+        sent it, and the pin would hold its blocks for the rest of its lease. Ending a pin
+        twice is harmless; the second answer of a read's release is then "not valid" (a
+        miss), never a valid read that was not."""
+        try:
+            return await self.stub.Release(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                raise
+        return await self.stub.Release(request, timeout=self.timeout_s)
 
     def _time_left(self, expires_at: float) -> float:
         """The timeout for a transfer under a lease ending at expires_at (the call returns
@@ -155,9 +208,8 @@ class KVStoreClient:
         """End the pin; True when its slots held the pinned blocks throughout (the store
         checked their generations), so what was read from them is valid."""
         try:
-            reply = await self.stub.Release(kv_store_pb2.ReleaseRequest(
-                pin_id=pinned.pin_id, slot_ids=pinned.slot_ids, generations=pinned.generations),
-                timeout=self.timeout_s)
+            reply = await self._release_call(kv_store_pb2.ReleaseRequest(
+                pin_id=pinned.pin_id, slot_ids=pinned.slot_ids, generations=pinned.generations))
         except grpc.aio.AioRpcError as e:
             self._failed("Release", e)  # the pin's lease ends it anyway
             return False
@@ -212,4 +264,7 @@ class KVStoreClient:
         return reply.num_hits
 
     async def close(self) -> None:
+        self._closed = True
+        if self._releases:
+            await asyncio.wait(list(self._releases), timeout=self.timeout_s)
         await self._channel.close()

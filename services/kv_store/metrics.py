@@ -3,6 +3,8 @@ metrics.py serves them on kv_store.metrics_port, on the event loop); blocks summ
 the key spaces:
   kv_store_hits_total, kv_store_misses_total     blocks asked for and found / not found
   kv_store_evictions_total                       blocks evicted past the high watermark
+  kv_store_expired_pins_total                    pins ended by their lease (a reader that never
+                                                 released: stopped, or its answer lost)
   kv_store_redis_spills_total, kv_store_redis_promotions_total, kv_store_redis_errors_total
   kv_store_bytes_in_total, kv_store_bytes_out_total   block bytes put / read
   kv_store_blocks_used, kv_store_blocks_total, kv_store_blocks_pinned
@@ -18,6 +20,7 @@ from common.metrics import name
 
 COUNTERS = (("hits", "hits", "Blocks found."), ("misses", "misses", "Blocks asked for and not found."),
             ("evictions", "evictions", "Blocks evicted from memory."),
+            ("expired_pins", "expired_pins", "Pins ended by their lease, never released by their reader."),
             ("redis_spills", "redis_spilled", "Evicted blocks written to Redis."),
             ("redis_promotions", "redis_promoted", "Blocks read back from Redis."),
             ("redis_errors", "redis_errors", "Failed Redis calls."),

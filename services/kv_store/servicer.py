@@ -1,7 +1,7 @@
 """KVStore servicer: protobuf at the edge, services/kv_store/store.py inside.
 
-Status codes: INVALID_ARGUMENT (bad space, hashes or token ids: the message names the
-field), PERMISSION_DENIED (a new key space for a model no live node serves with that
+Status codes: INVALID_ARGUMENT (bad space, hashes, token ids or pin_id, or a pin_id the
+store still holds: the message names the field), PERMISSION_DENIED (a new key space for a model no live node serves with that
 layout), UNAVAILABLE (the mesh's members cannot be listed to tell), RESOURCE_EXHAUSTED
 (kv_store.max_spaces key spaces exist), NOT_FOUND (CommitPut of an unknown or expired
 put_id).
@@ -83,7 +83,8 @@ class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
             await self._admit(model_id, layout, offset, context)
         try:
             pin_id, slots, promoted, space = await self.store.pin_get(
-                model_id, layout, list(request.block_hashes), list(request.token_ids), offset)
+                model_id, layout, list(request.block_hashes), list(request.token_ids), offset,
+                request.pin_id)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except SpacesExhausted as e:

@@ -76,7 +76,7 @@ class SlotIndex:
         self.pins: dict[str, Lease] = {}
         self._ids = itertools.count(1)
         self.id_prefix = id_prefix
-        self.num_evictions = self.num_expired_reservations = 0
+        self.num_evictions = self.num_expired_reservations = self.num_expired_pins = 0
 
     # ---- reading ------------------------------------------------------------------
     @property
@@ -213,6 +213,7 @@ class SlotIndex:
         for pin_id in stale_pins:
             self.release(pin_id)
         self.num_expired_reservations += len(stale_puts)
+        self.num_expired_pins += len(stale_pins)
         return len(stale_puts), len(stale_pins)
 
     def _make_room(self, num_needed: int) -> list[Entry]:

@@ -36,6 +36,7 @@ from common.config import KVStoreConfig, TimeoutConfig
 from common.hashing import DIGEST_SIZE, layout_key
 from common.transfer.base import TransferEngine
 from common.transfer.layout import KVLayout
+from services.kv_store.pin_names import NAME, PinNames, check_name
 from services.kv_store.redis_tier import RedisTier, decode_block, encode_block
 from services.kv_store.slot_index import Entry, SlotIndex
 from services.kv_store.slot_memory import SlotMemory
@@ -93,6 +94,7 @@ class KVStore:
         self.spaces: dict[tuple[str, str], Space] = {}
         self._by_id_prefix: dict[str, Space] = {}
         self._spills: set[asyncio.Task] = set()
+        self.pin_names = PinNames(timeouts.kv_store_pin_lease_s, clock)
         self.num_hits = self.num_misses = self.bytes_in = self.bytes_out = 0
 
     # ---- key spaces ----------------------------------------------------------------
@@ -199,26 +201,44 @@ class KVStore:
         return len(committed)
 
     async def pin_get(self, model_id: str, layout: KVLayout, hashes: Sequence[bytes],
-                      token_ids: Sequence[int], head_offset: int = 0) -> tuple[str, list[int], int, Space | None]:
-        """(pin_id or "", slots of the leading hits, how many were promoted from Redis, space)."""
+                      token_ids: Sequence[int], head_offset: int = 0, name: str = ""
+                      ) -> tuple[str, list[int], int, Space | None]:
+        """(pin id or "", slots of the leading hits, how many were promoted from Redis,
+        space). name: the caller's id for the pin (pin_names.py), answered as its id;
+        ValueError when malformed or naming a pin already; a name already released
+        (overtaken) pins nothing."""
         self._check(hashes, token_ids, layout.block_size)
+        if name:
+            check_name(name)
+            if name in self.pin_names:
+                raise ValueError(f"pin_id {name!r} names a pin already; name each PinGet anew")
+            if self.pin_names.was_overtaken(name):
+                return "", [], 0, None     # its caller has given it up and released it
         space = self._space(model_id, layout, create=self.redis is not None, head_offset=head_offset)
         if space is None:
             self.num_misses += len(hashes)
             return "", [], 0, None
         tokens = self._blocks(token_ids, layout.block_size)
         pin_id, slots = space.index.pin(hashes, tokens)
-        promoted = 0
-        if self.redis is not None and len(slots) < len(hashes):
+        promoting = self.redis is not None and len(slots) < len(hashes)
+        if promoting:
             pin_id = pin_id or space.index.new_pin()
+        if name and pin_id:
+            self.pin_names.bind(name, space, pin_id)   # before the await: Release(name) may come meanwhile
+        promoted = 0
+        if promoting:
             promoted = await self._promote(space, pin_id, hashes[len(slots):], tokens[len(slots):], slots)
+        if pin_id and pin_id not in space.index.pins:
+            slots = []                     # released by name, or lapsed, while Redis answered
         if not slots and pin_id:
             space.index.release(pin_id)
+            if name:
+                self.pin_names.unbind(name)
             pin_id = ""
         self.num_hits += len(slots)
         self.num_misses += len(hashes) - len(slots)
         self.bytes_out += len(slots) * space.memory.bytes_per_slot
-        return pin_id, slots, promoted, space
+        return (name or pin_id) if pin_id else "", slots, promoted, space
 
     async def _promote(self, space: Space, pin_id: str, hashes: Sequence[bytes],
                        tokens: Sequence[tuple[int, ...]], slots: list[int]) -> int:
@@ -250,11 +270,19 @@ class KVStore:
     def release(self, pin_id: str, slots: Sequence[int] = (), generations: Sequence[int] = ()) -> bool:
         """End the pin (if it has not lapsed). With slots and their generations (what
         pin_get answered): True when every slot still holds that block (reads of it were
-        its bytes), whether or not the pin lapsed. Without: True if the pin was live."""
-        try:
-            space = self._space_of(pin_id)
-        except KeyError:
-            return False
+        its bytes), whether or not the pin lapsed (a caller-named pin: up to one more lease
+        after it lapsed). Without: True if the pin was live. A caller's name that names no
+        pin is remembered: its PinGet may still be on its way (pin_names.py)."""
+        bound = self.pin_names.unbind(pin_id)
+        if bound is not None:
+            space, pin_id = bound
+        else:
+            try:
+                space = self._space_of(pin_id)
+            except KeyError:
+                if NAME.fullmatch(pin_id):
+                    self.pin_names.overtaken(pin_id)
+                return False
         live = space.index.release(pin_id)
         return space.index.unchanged(slots, generations) if slots else live
 
@@ -263,9 +291,12 @@ class KVStore:
 
     def expire(self) -> None:
         for space in self.spaces.values():
-            puts, _ = space.index.expire()
+            puts, pins = space.index.expire()
             if puts:
                 log.info("%s: %d uncommitted put(s) expired", space.model_id, puts)
+            if pins:
+                log.info("%s: %d pin(s) ended by their lease: never released by their reader", space.model_id, pins)
+        self.pin_names.expire(lambda space, pin_id: pin_id in space.index.pins)
 
     # ---- Redis spill -----------------------------------------------------------------
     def _spill(self, space: Space, evicted: list[Entry]) -> None:
@@ -293,6 +324,7 @@ class KVStore:
             "misses": self.num_misses, "evictions": sum(i.num_evictions for i in idx),
             "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
             "expired_reservations": sum(i.num_expired_reservations for i in idx),
+            "expired_pins": sum(i.num_expired_pins for i in idx),
             "num_spaces": len(self.spaces), "redis_configured": r is not None,
             "redis_up": bool(r and r.up), "redis_spilled": r.num_spilled if r else 0,
             "redis_promoted": r.num_promoted if r else 0, "redis_errors": r.num_errors if r else 0,

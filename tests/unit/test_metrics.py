@@ -195,13 +195,13 @@ def test_meta_collector_counts_routes_per_node_and_policy():
 # ---- kv-store --------------------------------------------------------------------------
 def test_kv_store_collector_reads_stats():
     stats = {"blocks_used": 12, "blocks_total": 100, "blocks_pinned": 2, "hits": 30, "misses": 5, "evictions": 7,
-             "bytes_in": 1000, "bytes_out": 3000, "expired_reservations": 0, "num_spaces": 1,
+             "bytes_in": 1000, "bytes_out": 3000, "expired_reservations": 0, "expired_pins": 4, "num_spaces": 1,
              "redis_configured": True, "redis_up": True, "redis_spilled": 6, "redis_promoted": 3,
              "redis_errors": 1, "redis_last_error": ""}
     r = kv_store_registry(SimpleNamespace(stats=lambda: stats))
     assert [value(r, f"pdmesh:kv_store_{k}_total") for k in
-            ("hits", "misses", "evictions", "redis_spills", "redis_promotions", "redis_errors", "bytes_in", "bytes_out")] \
-        == [30, 5, 7, 6, 3, 1, 1000, 3000]
+            ("hits", "misses", "evictions", "expired_pins", "redis_spills", "redis_promotions", "redis_errors",
+             "bytes_in", "bytes_out")] == [30, 5, 7, 4, 6, 3, 1, 1000, 3000]
     assert [value(r, f"pdmesh:kv_store_{k}") for k in ("blocks_used", "blocks_total", "blocks_pinned", "redis_up",
                                                        "spaces")] == [12, 100, 2, 1, 1]
 

@@ -80,14 +80,16 @@ class CommitPutResponse(_message.Message):
     def __init__(self, num_committed: _Optional[int] = ...) -> None: ...
 
 class PinGetRequest(_message.Message):
-    __slots__ = ("space", "block_hashes", "token_ids")
+    __slots__ = ("space", "block_hashes", "token_ids", "pin_id")
     SPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
     space: KeySpace
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, space: _Optional[_Union[KeySpace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    pin_id: str
+    def __init__(self, space: _Optional[_Union[KeySpace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., pin_id: _Optional[str] = ...) -> None: ...
 
 class PinGetResponse(_message.Message):
     __slots__ = ("pin_id", "slot_ids", "region", "lease_seconds", "num_promoted", "generations")
@@ -126,7 +128,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("blocks_used", "blocks_total", "blocks_pinned", "hits", "misses", "evictions", "bytes_in", "bytes_out", "expired_reservations", "num_spaces", "redis_configured", "redis_up", "redis_spilled", "redis_promoted", "redis_errors", "redis_last_error")
+    __slots__ = ("blocks_used", "blocks_total", "blocks_pinned", "hits", "misses", "evictions", "bytes_in", "bytes_out", "expired_reservations", "num_spaces", "redis_configured", "redis_up", "redis_spilled", "redis_promoted", "redis_errors", "redis_last_error", "expired_pins")
     BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_PINNED_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +145,7 @@ class StatsResponse(_message.Message):
     REDIS_PROMOTED_FIELD_NUMBER: _ClassVar[int]
     REDIS_ERRORS_FIELD_NUMBER: _ClassVar[int]
     REDIS_LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_PINS_FIELD_NUMBER: _ClassVar[int]
     blocks_used: int
     blocks_total: int
     blocks_pinned: int
@@ -159,4 +162,5 @@ class StatsResponse(_message.Message):
     redis_promoted: int
     redis_errors: int
     redis_last_error: str
-    def __init__(self, blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., blocks_pinned: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., expired_reservations: _Optional[int] = ..., num_spaces: _Optional[int] = ..., redis_configured: _Optional[bool] = ..., redis_up: _Optional[bool] = ..., redis_spilled: _Optional[int] = ..., redis_promoted: _Optional[int] = ..., redis_errors: _Optional[int] = ..., redis_last_error: _Optional[str] = ...) -> None: ...
+    expired_pins: int
+    def __init__(self, blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., blocks_pinned: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., expired_reservations: _Optional[int] = ..., num_spaces: _Optional[int] = ..., redis_configured: _Optional[bool] = ..., redis_up: _Optional[bool] = ..., redis_spilled: _Optional[int] = ..., redis_promoted: _Optional[int] = ..., redis_errors: _Optional[int] = ..., redis_last_error: _Optional[str] = ..., expired_pins: _Optional[int] = ...) -> None: ...
