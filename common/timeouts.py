@@ -36,7 +36,8 @@ class TimeoutConfig:
     meta_follow_s     how long the gateway looks for the leading meta-server (a standby
                       takes over within one TTL) before a request fails; never past the
                       request's deadline.
-    kv_store_call_s   a node's control call to the kv-store; slower is a miss.
+    kv_store_call_s   a node's control call to the kv-store; slower is a miss (a Release
+                      with no answer is sent once more, so it takes up to twice this).
     kv_store_pin_lease_s, kv_store_reserve_lease_s
                       the store keeps a get's pinned slots / a put's reserved slots this
                       long unless released or committed sooner. A transfer starts only while

@@ -11,10 +11,11 @@ between its KV cache and the store's pool.
 
 The store is an optimisation, never a dependency: every failure (store down, timeout,
 transfer error, another transfer backend) is logged once per outage and reads as a miss
-or a skipped put. Each control call is bounded by timeouts.kv_store_call_s. A transfer
-starts only while its lease (pin or reservation) has more than timeouts.transfer_bound_s
-left, and ends within it: it never outlives the lease it relies on, and a read that
-does anyway is caught by the slot generations at release.
+or a skipped put. Each control call is bounded by timeouts.kv_store_call_s (a Release
+that got no answer is sent once more: twice that). A transfer starts only while its
+lease (pin or reservation) has more than timeouts.transfer_bound_s left, and ends within
+it: it never outlives the lease it relies on, and a read that does anyway is caught by
+the slot generations at release.
 
 A tensor-parallel node has one client per rank (services/kv_store/rank_clients.py): each
 moves its rank's heads, in its own key space (KeySpace.head_offset), through a sender
@@ -39,6 +40,7 @@ from common.transfer.base import TransferError
 from common.transfer.kv_writes import KVSender
 from common.transfer.layout import KVLayout
 from protos.pdmesh.v1 import kv_store_pb2, kv_store_pb2_grpc
+from services.kv_store.pin_names import NAME
 from services.node import grpc_util
 
 log = logging.getLogger("pdmesh.kv_store.client")
@@ -168,7 +170,10 @@ class KVStoreClient:
         try:
             return await self.stub.Release(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as e:
-            if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+            # only a name of ours: a store-chosen id ("s1-pin-7") may be another reader's
+            # pin after a store restart
+            if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE) \
+                    or not NAME.fullmatch(request.pin_id):
                 raise
         return await self.stub.Release(request, timeout=self.timeout_s)
 
@@ -210,7 +215,7 @@ class KVStoreClient:
         try:
             reply = await self._release_call(kv_store_pb2.ReleaseRequest(
                 pin_id=pinned.pin_id, slot_ids=pinned.slot_ids, generations=pinned.generations))
-        except grpc.aio.AioRpcError as e:
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:   # UsageError: closed meanwhile
             self._failed("Release", e)  # the pin's lease ends it anyway
             return False
         if not reply.valid:
@@ -265,6 +270,6 @@ class KVStoreClient:
 
     async def close(self) -> None:
         self._closed = True
-        if self._releases:
-            await asyncio.wait(list(self._releases), timeout=self.timeout_s)
+        if self._releases:             # a release may be sent twice
+            await asyncio.wait(list(self._releases), timeout=2 * self.timeout_s)
         await self._channel.close()
