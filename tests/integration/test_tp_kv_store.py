@@ -56,7 +56,18 @@ def cold_tokens(model):
 
 def generate(mesh, k: int):
     tokens, _, msgs = asyncio.run(stream(mesh.gateway_address, request(PREFIX + TAILS[k], max_tokens=12)))
-    return tokens, msgs[-1].usage
+    return tokens, msgs[-1].usage, msgs[0].prefill_timing
+
+
+def why_no_read(mesh, timing) -> str:
+    """What a miss of the store's prefix looked like: where the prompt was prefilled, the
+    store's counts, and the prefill nodes' log lines about the store or their refusals."""
+    store = store_stats(mesh)
+    lines = [line.strip() for node_id in ("p2a", "p2b")
+             for line in (mesh.log_dir / f"{node_id}.log").read_text(errors="replace").splitlines()
+             if " pdmesh." in line and any(w in line for w in ("kv-store", "refused", "failed", "stalled"))]
+    return (f"; prefilled remotely {timing.remote}; store hits {store.hits}, misses {store.misses}, "
+            f"expired pins {store.expired_pins}; prefill nodes' log: {lines[-6:]}")
 
 
 def prefill_stats(mesh) -> dict[str, object]:
@@ -66,7 +77,7 @@ def prefill_stats(mesh) -> dict[str, object]:
 def test_each_rank_stores_and_loads_its_own_heads(mesh, cold_tokens):
     layout = KVLayout.from_proto(members(mesh)["p2a"].kv_layout)
     assert layout.num_kv_heads == 2
-    tokens, usage = generate(mesh, 0)                            # cold everywhere
+    tokens, usage, _ = generate(mesh, 0)                         # cold everywhere
     assert tokens == cold_tokens[0]
     assert usage.cached_prompt_tokens == 0
     stats = wait_stored(mesh, 2 * 34)                            # 552 // 16 full blocks, per rank
@@ -74,9 +85,9 @@ def test_each_rank_stores_and_loads_its_own_heads(mesh, cold_tokens):
     before = prefill_stats(mesh)
     assert all(s.rank_bytes_read == 0 for s in before.values())
 
-    tokens, usage = generate(mesh, 1)                            # the other node reads the prefix
+    tokens, usage, timing = generate(mesh, 1)                    # the other node reads the prefix
     assert tokens == cold_tokens[1]
-    assert usage.cached_prompt_tokens == 512
+    assert usage.cached_prompt_tokens == 512, why_no_read(mesh, timing)
     assert store_stats(mesh).hits == 2 * 32                      # both ranks' spaces
     after = prefill_stats(mesh)
     per_rank = 32 * layout.num_layers * 2 * layout.block_bytes   # the worker's 32 blocks, K and V
