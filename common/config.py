@@ -3,94 +3,12 @@ these. Nothing here mutates at run time."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any
 
-from common.engine.cpu_budget import check_cpu_cores, format_cpu_list, parse_cpu_list
-from common.timeouts import TimeoutConfig  # noqa: F401  (part of the config; defined apart for its length)
-
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("cpu", "cuda", "npu")
-KERNEL_BACKENDS = ("auto", "ref", "cpu", "npu", "cuda")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """One inference engine. Zero means "derive": block_size from the kernel backend
-    (16 on ref/cpu/cuda, 128 on npu), num_blocks from kv_cache_memory, max_model_len from the
-    model's max_position_embeddings and the cache size.
-
-    cpu_cores pins the engine's process to those cores (ids, or "0-3,6" / [0, 1] in YAML,
-    normalized to a sorted tuple); () = not pinned. num_threads 0 = one thread per core of
-    cpu_cores, or torch's default when not pinned (common/engine/cpu_budget.py).
-
-    tensor_parallel_size N > 1 shards the model over N rank processes stepping together
-    (common/parallel/executor.py); the model's heads must divide by N (checked when the
-    engine loads it). num_threads and kv_cache_memory are then per rank, cpu_cores split
-    N ways (when it has N cores or more); num_threads 0 = the cores split N ways.
-
-    borrow_cores: cores of the prefill node beside a decode node (same forms; outside the
-    cores the engine runs on: cpu_cores, or those it was started on), on which its steps
-    add one thread each while none of its requests is prefilled remotely
-    (common/engine/borrowed_cores.py; `pdmesh up` sets it); () = none. Needs
-    tensor_parallel_size 1; used on device cpu only."""
-
-    model: str
-    model_id: str = ""
-    dtype: str = "auto"
-    device: str = "cpu"
-    kernel_backend: str = "auto"
-    block_size: int = 0
-    num_blocks: int = 0
-    kv_cache_memory: int = 1 << 30
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 0
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    seed: int = 0
-    num_threads: int = 0
-    cpu_cores: tuple[int, ...] = ()
-    tensor_parallel_size: int = 1
-    borrow_cores: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        tp = self.tensor_parallel_size
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.device.split(":")[0] not in DEVICES:
-            raise ValueError(f"device must be one of {DEVICES} (optionally with :index), got {self.device!r}")
-        if self.kernel_backend not in KERNEL_BACKENDS:
-            raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
-        for name in ("block_size", "num_blocks", "max_model_len", "num_threads"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (0 = derive), got {getattr(self, name)}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        object.__setattr__(self, "cpu_cores", parse_cpu_list(self.cpu_cores))   # "0-3,6" -> (0, 1, 2, 3, 6)
-        check_cpu_cores(self.cpu_cores)
-        object.__setattr__(self, "borrow_cores", parse_cpu_list(self.borrow_cores, "borrow_cores"))
-        if self.borrow_cores:
-            host = os.cpu_count() or 1
-            if tp > 1:
-                raise ValueError(f"borrow_cores needs tensor_parallel_size 1, got {tp}")
-            if max(self.borrow_cores) >= host or set(self.cpu_cores) & set(self.borrow_cores):
-                raise ValueError(f"borrow_cores must be cores of this host ({format_cpu_list(range(host))}) "
-                                 f"outside cpu_cores ({format_cpu_list(self.cpu_cores) or 'none'}), "
-                                 f"got {format_cpu_list(self.borrow_cores)}")
-
-    @classmethod
-    def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":
-        """vLLM-style engine args; an unknown name is a ValueError listing the known ones."""
-        known = {f.name for f in dataclasses.fields(cls)} - {"model"}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(f"unknown engine argument(s) {unknown}; allowed: {sorted(known)}")
-        return cls(model=str(model), **kwargs)
+# parts of the config defined apart for their length, re-exported here
+from common.engine_config import DEVICES, DTYPES, KERNEL_BACKENDS, EngineConfig  # noqa: F401
+from common.timeouts import TimeoutConfig  # noqa: F401
 
 
 def check_optional_port(field: str, port) -> None:
