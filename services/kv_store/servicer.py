@@ -1,10 +1,10 @@
 """KVStore servicer: protobuf at the edge, services/kv_store/store.py inside.
 
 Status codes: INVALID_ARGUMENT (bad space, hashes, token ids or pin_id, or a pin_id the
-store still holds: the message names the field), PERMISSION_DENIED (a new key space for a model no live node serves with that
-layout), UNAVAILABLE (the mesh's members cannot be listed to tell), RESOURCE_EXHAUSTED
-(kv_store.max_spaces key spaces exist), NOT_FOUND (CommitPut of an unknown or expired
-put_id).
+store still holds: the message names the field), PERMISSION_DENIED (a new key space for
+a model no live node serves with that layout), UNAVAILABLE (the mesh's members cannot be
+listed to tell), RESOURCE_EXHAUSTED (kv_store.max_spaces key spaces exist), NOT_FOUND
+(CommitPut of an unknown or expired put_id).
 """
 from __future__ import annotations
 
