@@ -7,7 +7,7 @@ STAMP       := $(VENV)/.pdmesh-installed
 MODEL       ?= models/tiny-llama
 PYTEST_ARGS ?=
 
-.PHONY: sysdeps install run generate test bench clean
+.PHONY: sysdeps install run generate test test-repeat bench clean
 
 $(PY):
 	$(PYTHON_BOOT) -m venv $(VENV)
@@ -63,6 +63,13 @@ ENGINE_TESTS := tests/unit/test_hf_equality.py tests/unit/test_engine_consistenc
 test: install
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 	PDMESH_KERNEL_BACKEND=npu $(PY) -m pytest $(ENGINE_TESTS) $(PYTEST_ARGS)
+
+# The flake budget: the integration and fault tiers N times, each in a fresh clone of
+# HEAD; LOAD=1 beside one busy process per core, SHUFFLE=1 in a shuffled order
+# (tests/repeat.py). Not part of `make test`.
+N ?= 5
+test-repeat: install
+	$(PY) tests/repeat.py --runs $(N) $(if $(LOAD),--load) $(if $(SHUFFLE),--shuffle) $(if $(PYTEST_ARGS),-- $(PYTEST_ARGS))
 
 bench: install
 	$(PY) bench/offline.py

@@ -35,10 +35,41 @@ FORCED_BACKEND = os.environ.get("PDMESH_KERNEL_BACKEND", "")
 BLOCK_SIZE = 128 if FORCED_BACKEND == "npu" else 16
 
 
+# A hang fails fast and says why: every test gets its tier's timeout (setup and teardown
+# included: a module's first test also starts its mesh), about three times the slowest
+# test of the tier on a loaded 2-core machine; past it pytest-timeout dumps every thread's
+# stack and fails the test, and the report adds the services' last log lines
+# (tests/service_logs.py). A test may set its own with @pytest.mark.timeout(s).
+TIER_TIMEOUT_S = {"unit": 240, "kernels": 240, "integration": 420, "faults": 420}
+
+
 def pytest_configure(config):
     if FORCED_BACKEND == "npu":
         from kernels.testing import fake_torch_npu
         fake_torch_npu.install()
+
+
+def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).parent
+    for item in items:
+        if item.get_closest_marker("timeout") is not None:
+            continue
+        try:
+            tier = Path(item.path).relative_to(root).parts[0]
+        except ValueError:
+            continue
+        if tier in TIER_TIMEOUT_S:
+            item.add_marker(pytest.mark.timeout(TIER_TIMEOUT_S[tier]))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.failed:
+        from tests import service_logs
+        text = service_logs.last_lines()
+        if text:
+            report.sections.append(("services' last log lines", text))
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests import service_logs
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -33,6 +35,7 @@ class ServerProcess:
         self._proc: subprocess.Popen | None = None
         self._log = None
         atexit.register(self.close)
+        service_logs.watch_server(self)
 
     def command(self) -> list[str]:
         raise NotImplementedError
@@ -43,6 +46,14 @@ class ServerProcess:
     @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / self.log_name
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
 
     def start(self, timeout_s: float = 15.0):
         """Start (or restart); returns self once healthy."""

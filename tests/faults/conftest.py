@@ -53,9 +53,17 @@ def model(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def work(model):
-    """The 32 requests and their offline tokens."""
-    return Workload(model)
+def offline(model, llm_factory):
+    """The offline engine every workload's expected tokens come from (the session's
+    cached one: the leak check after each test covers it)."""
+    return llm_factory(model, **ENGINE)
+
+
+@pytest.fixture
+def work(offline, request):
+    """This case's 32 requests and their offline tokens: prompts of its own, salted by the
+    test's name, so no earlier case sent any of their blocks (tests/faults/workload.py)."""
+    return Workload(offline, salt=request.node.name)
 
 
 def members(mesh) -> set[str]:

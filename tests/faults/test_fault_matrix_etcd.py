@@ -9,10 +9,15 @@ import time
 import pytest
 
 from tests.etcd_server import EtcdServer
-from tests.faults.conftest import wait_members
+from tests.faults.conftest import restart_exited, wait_members
 from tests.faults.test_fault_matrix import STOP_S, finish, mid_stream, until
+from tests.faults.workload import Workload
+from tests.integration.test_etcd_mesh import leads
 
 MESH_B = (("prefill", "prefill-0"), ("decode", "decode-0"))
+META_SERVERS = ("meta-server", "meta-server-1")
+LEADER_WAIT_S = 30.0   # the election lease is half the TTL (2 s); past this no meta-server leads: a hang
+ROUTED_WAIT_S = 30.0   # a node that joined is routed to within a heartbeat; past this it never will: a hang
 
 
 @pytest.fixture(scope="module")
@@ -27,39 +32,68 @@ def mesh_b(model, etcd, fault_mesh):   # etcd set up first, so torn down after t
 
 
 @pytest.fixture(scope="module")
-def baseline_b(mesh_b, work, fault_table):
+def baseline_b(mesh_b, offline, fault_table):
+    work = Workload(offline, salt="baseline, mesh B")
     outcomes, _ = asyncio.run(work.run(mesh_b.gateway_address))
     fault_table.append(work.row("none (baseline, etcd)", outcomes, outcomes))
     return outcomes
+
+
+def leader(mesh) -> str:
+    """The meta-server that leads now (whichever: an earlier case may have moved it)."""
+    deadline = time.monotonic() + LEADER_WAIT_S
+    while True:
+        for name in META_SERVERS:
+            svc = mesh.services[name]
+            if svc.process.poll() is None and leads(svc.address):
+                return name
+        assert time.monotonic() < deadline, "no meta-server leads"
+        time.sleep(0.05)
 
 
 @pytest.mark.long_fault
 def test_etcd_stopped_for_10s(mesh_b, etcd, work, baseline_b, fault_table):
     async def fault(progress):
         await until(lambda: mid_stream(progress))
+        open_streams = progress.num_open
         await asyncio.to_thread(etcd.stop)
-        await asyncio.sleep(STOP_S)
-        await asyncio.to_thread(etcd.start)
+        try:
+            await asyncio.sleep(STOP_S)
+        finally:
+            await asyncio.to_thread(etcd.start)
+        return open_streams
 
-    outcomes, _ = asyncio.run(work.run(mesh_b.gateway_address, fault))
-    finish(mesh_b, work, fault_table, "etcd stopped 10 s", outcomes, baseline_b)
+    outcomes, open_streams = asyncio.run(work.run(mesh_b.gateway_address, fault))
+    row = finish(mesh_b, work, fault_table, "etcd stopped 10 s", outcomes, baseline_b)
+    row["open_streams_at_stop"] = open_streams
+    assert open_streams >= 1, "etcd stopped while requests streamed"
     wait_members(mesh_b)
 
 
 def test_meta_server_leader_killed(mesh_b, work, baseline_b, fault_table):
+    killed = leader(mesh_b)
+    standby = next(name for name in META_SERVERS if name != killed)
+
     async def fault(progress):
         await until(lambda: mid_stream(progress))
-        mesh_b.kill("meta-server")
+        mesh_b.kill(killed)
 
-    outcomes, _ = asyncio.run(work.run(mesh_b.gateway_address, fault))
-    mesh_b.meta_address = mesh_b.services["meta-server-1"].address   # the standby leads now
-    finish(mesh_b, work, fault_table, "meta-server leader kill -9 (etcd, standby)", outcomes, baseline_b)
+    try:
+        outcomes, _ = asyncio.run(work.run(mesh_b.gateway_address, fault))
+        mesh_b.meta_address = mesh_b.services[standby].address   # the standby leads now
+        finish(mesh_b, work, fault_table, "meta-server leader kill -9 (etcd, standby)", outcomes, baseline_b)
+        assert leader(mesh_b) == standby
+        # the new leader routes: a request sent now is served with its tokens
+        after = asyncio.run(work.run_one(mesh_b.gateway_address, 0))
+        assert (after.error, after.tokens) == (None, work.expected[0]), after.details
+    finally:
+        restart_exited(mesh_b)          # the killed one comes back as the standby
 
 
 def test_the_only_decode_node_killed_then_restarted(mesh_b, work, baseline_b, fault_table):
     """The one case where the mesh truly cannot serve (may_fail): with no decode node
-    left, the streams it served fail UNAVAILABLE, fast (within 5 s of the kill), and the
-    restarted node is routed to within 1 s of joining."""
+    left, the streams it served fail UNAVAILABLE (not at their deadline), and the
+    restarted node is routed to once it joins. How fast each happened is in the table."""
     killed: dict[str, float] = {}
 
     async def fault(progress):
@@ -68,23 +102,22 @@ def test_the_only_decode_node_killed_then_restarted(mesh_b, work, baseline_b, fa
         killed["at"] = time.monotonic()
 
     started = time.monotonic()
-    outcomes, _ = asyncio.run(work.run(mesh_b.gateway_address, fault))
-    row = finish(mesh_b, work, fault_table, "only decode node kill -9 (fails)", outcomes, baseline_b,
-                 may_fail=True)
-    assert row["failed"] >= 1
-    for out in outcomes:
-        if out.error is not None:
-            assert started + out.seconds - killed["at"] < 5.0, "failed within 5 s of the kill"
-    mesh_b.restart("decode-0")
+    try:
+        outcomes, _ = asyncio.run(work.run(mesh_b.gateway_address, fault))
+        row = finish(mesh_b, work, fault_table, "only decode node kill -9 (fails)", outcomes, baseline_b,
+                     may_fail=True)
+        assert row["failed"] >= 1
+        row["failed_after_kill_s"] = round(max(started + o.seconds - killed["at"] for o in outcomes
+                                               if o.error is not None), 2)    # the target is 5 s
+    finally:
+        mesh_b.restart("decode-0")
     wait_members(mesh_b)
     joined = time.monotonic()
     while True:   # until a request is served: its first token, counted from the join
         sent = time.monotonic()
-        results, _ = asyncio.run(work.run_one(mesh_b.gateway_address, 0))
-        if results.error is None:
+        result = asyncio.run(work.run_one(mesh_b.gateway_address, 0))
+        if result.error is None:
             break
-        # the target is 1 s; loose bound for a loaded CI machine
-        assert time.monotonic() - joined < 3.0, f"not routed 3 s after joining: {results.details}"
-    assert results.tokens == work.expected[0]
-    row["routed_after_restart_s"] = round(sent + results.first_token_s - joined, 2)
-    assert row["routed_after_restart_s"] < 3.0     # the target is 1 s; loose bound for CI
+        assert time.monotonic() - joined < ROUTED_WAIT_S, f"never routed after joining: {result.details}"
+    assert result.tokens == work.expected[0]
+    row["routed_after_restart_s"] = round(sent + result.first_token_s - joined, 2)   # the target is 1 s

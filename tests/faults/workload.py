@@ -2,10 +2,17 @@
 through the gateway (half greedy, half seeded at temperature 0.8; prompts of 20-300
 tokens; max_tokens 64-200), each compared with the offline engine's tokens.
 
-    work = Workload(model)                         # prompts, params, expected tokens
-    base = asyncio.run(work.run(gateway))          # uninterrupted: per-request seconds
-    run = asyncio.run(work.run(gateway, fault))    # fault(progress) is awaited mid-run
-    row = work.row("decode kill -9", run, base)    # the table's line; asserts exact tokens
+Every case owns its prompts: the lengths and sampling parameters are the same in every
+case (so a case's latencies compare with the baseline's, request by request), but the
+token ids are drawn from the case's salt, so no prompt of a case shares even its first
+block with a prompt an earlier case sent. No node holds a case's prefixes when it
+starts: the prefill node computes every prompt the router sends it, and what the case
+asserts about its path cannot depend on what earlier cases left in the caches.
+
+    work = Workload(offline_llm, salt="decode kill")   # prompts, params, expected tokens
+    base = asyncio.run(baseline.run(gateway))          # uninterrupted: per-request seconds
+    run = asyncio.run(work.run(gateway, fault))        # fault(progress) is awaited mid-run
+    row = work.row("decode kill -9", run, base)        # the table's line; asserts exact tokens
 """
 from __future__ import annotations
 
@@ -17,13 +24,15 @@ from typing import Awaitable, Callable
 
 import grpc
 
-from common.engine import LLM, SamplingParams
+from common.engine import SamplingParams
 from protos.pdmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.channels import operator_channel
 
 NUM_REQUESTS = 32
 ENGINE = {"num_blocks": 1024, "max_num_seqs": 32, "max_model_len": 1024}
 CLIENT_DEADLINE_S = 90.0    # a stream still open past this hangs: the case fails
+SHAPE_SEED = 2026           # prompt lengths and sampling parameters, the same in every case
+TOKEN_IDS = (3, 1000)       # prompt token ids are drawn from this range (no special token)
 
 
 @dataclass
@@ -43,24 +52,37 @@ class Outcome:
 class Progress:
     """What the clients have seen so far (read by a fault to pick its moment)."""
     tokens: list[int] = field(default_factory=lambda: [0] * NUM_REQUESTS)
+    finished: list[bool] = field(default_factory=lambda: [False] * NUM_REQUESTS)
 
     @property
     def total(self) -> int:
         return sum(self.tokens)
 
+    @property
+    def num_open(self) -> int:
+        """Streams not finished yet (their last message not received)."""
+        return self.finished.count(False)
+
 
 class Workload:
-    def __init__(self, model_dir, seed: int = 2026):
-        rng = random.Random(seed)
-        self.prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(20, 301))]
-                        for _ in range(NUM_REQUESTS)]
-        self.params = [SamplingParams(max_tokens=rng.randrange(64, 201), ignore_eos=True,
+    def __init__(self, llm, salt: str):
+        """llm: the offline engine (common.engine.LLM) the expected tokens come from;
+        salt: the case's name; two workloads of different salts share no prompt block."""
+        shape = random.Random(SHAPE_SEED)
+        lengths = [shape.randrange(20, 301) for _ in range(NUM_REQUESTS)]
+        self.params = [SamplingParams(max_tokens=shape.randrange(64, 201), ignore_eos=True,
                                       temperature=0.0 if i % 2 == 0 else 0.8,
                                       seed=None if i % 2 == 0 else 1000 + i)
                        for i in range(NUM_REQUESTS)]
-        outs = LLM(str(model_dir), **ENGINE).generate([{"prompt_token_ids": p} for p in self.prompts],
-                                                      self.params)
+        ids = random.Random(f"{SHAPE_SEED}/{salt}")   # str seeds hash with sha512: no PYTHONHASHSEED
+        self.salt = salt
+        self.prompts = [[ids.randrange(*TOKEN_IDS) for _ in range(n)] for n in lengths]
+        outs = llm.generate([{"prompt_token_ids": p} for p in self.prompts], self.params)
         self.expected = [o.outputs[0].token_ids for o in outs]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
 
     def _request(self, i: int) -> gateway_pb2.GenerateRequest:
         p = self.params[i]
@@ -86,6 +108,7 @@ class Workload:
                     out.usage = (msg.usage.prompt_tokens, msg.usage.completion_tokens)
         except grpc.aio.AioRpcError as e:
             out.error, out.details = e.code(), e.details()
+        progress.finished[i] = True
         out.seconds = time.monotonic() - start
         return out
 
@@ -100,10 +123,10 @@ class Workload:
             outcomes = await asyncio.gather(*streams)
         return outcomes, injected
 
-    async def run_one(self, gateway: str, i: int) -> tuple[Outcome, None]:
+    async def run_one(self, gateway: str, i: int) -> Outcome:
         """Request i alone."""
         async with operator_channel(gateway) as ch:
-            return await self._one(gateway_pb2_grpc.GatewayStub(ch), i, Progress()), None
+            return await self._one(gateway_pb2_grpc.GatewayStub(ch), i, Progress())
 
     def row(self, case: str, outcomes: list[Outcome], baseline: list[Outcome],
             may_fail: bool = False) -> dict:
@@ -130,4 +153,5 @@ class Workload:
         return {"case": case, "requests": len(outcomes), "completed": len(outcomes) - len(failed),
                 "migrated": sum(o.migrations > 0 for o in outcomes),
                 "migrations": sum(o.migrations for o in outcomes), "failed": len(failed),
+                "remote_prefills": sum(o.remote_prefill for o in outcomes if o.error is None),
                 "max_extra_latency_s": round(max(extra, default=0.0), 2)}

@@ -10,6 +10,7 @@ import yaml
 from common.config import mesh_config_from_dict
 from protos.pdmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.cli.launcher import MeshProcesses
+from tests import service_logs
 from tests.channels import operator_channel_sync
 
 ENGINE = {"num_blocks": 512, "max_num_seqs": 32, "max_model_len": 2048}
@@ -29,6 +30,7 @@ def launch(root, raw: dict, env: dict[str, str] | None = None) -> MeshProcesses:
     path = root / "mesh.yaml"
     path.write_text(yaml.safe_dump(raw))
     mesh = MeshProcesses(str(path), mesh_config_from_dict(raw), root / "logs", quiet=True, env=env or {})
+    service_logs.watch_mesh(mesh)   # a test that fails or hangs shows the services' last lines
     mesh.start(timeout_s=120)
     return mesh
 
