@@ -1,8 +1,9 @@
 """A tensor-parallel node in a real mesh (issue 16): `both` node n0 at TP 2 (nodes[].engine)
 beside n1 at TP 1. n0's engine steps with a rank-1 worker process (the path ran: the
 process exists and n0 was routed to); every request gets exactly the offline TP-1
-engine's tokens; kill -9 of the worker takes n0 out of the mesh within 2 s and the mesh
-keeps serving on n1; once the mesh stops no rank process is left."""
+engine's tokens; kill -9 of the worker takes n0 out of the mesh (it leaves by itself, not by
+a lapsed TTL) and the mesh keeps serving on n1; once the mesh stops no rank process is left.
+The tests that kill or stop a node do it on a mesh of their own."""
 from __future__ import annotations
 
 import asyncio
@@ -21,6 +22,9 @@ from tests.integration.test_mesh import MAX_TOKENS, assert_matches_offline, asse
 from tests.integration.test_mesh import expected  # noqa: F401  (the offline engine's tokens: a fixture)
 
 NODES = (("both", "n0"), ("both", "n1"))
+# Bound of the waits below: it only catches a hang (a loaded machine is slower, never this
+# slow); the seconds taken are printed, not asserted.
+HANG_GUARD_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +32,16 @@ def model(tiny_model):
     return tiny_model("llama")
 
 
+def launch_tp_mesh(model, tmp_path_factory, name: str, nodes=NODES):
+    """A mesh of `nodes` (round_robin) whose first node runs at TP 2."""
+    raw = mesh_dict(model, nodes, policy="round_robin")
+    raw["nodes"][0]["engine"] = {"tensor_parallel_size": 2}
+    return launch(tmp_path_factory.mktemp(name), raw)
+
+
 @pytest.fixture(scope="module")
 def mesh(model, tmp_path_factory):
-    raw = mesh_dict(model, NODES, policy="round_robin")
-    raw["nodes"][0]["engine"] = {"tensor_parallel_size": 2}
-    m = launch(tmp_path_factory.mktemp("tp-mesh"), raw)
+    m = launch_tp_mesh(model, tmp_path_factory, "tp-mesh")
     yield m
     m.stop()
 
@@ -74,9 +83,17 @@ def members(mesh) -> dict[str, object]:
 
 
 def routed(mesh) -> dict[str, int]:
+    """Requests routed to each node so far (0 for never)."""
     with mesh.admin_channel() as ch:
         stats = meta_pb2_grpc.MetaAdminStub(ch).GetStats(meta_pb2.GetStatsRequest(), timeout=5)
-    return {n.node_id: n.num_routed for n in stats.nodes}
+    return {node_id: 0 for _, node_id in NODES} | {n.node_id: n.num_routed for n in stats.nodes}
+
+
+def listed_states(mesh) -> dict[str, str]:
+    """Every node the meta-server lists, down ones included, by state."""
+    with mesh.admin_channel() as ch:
+        nodes = meta_pb2_grpc.MetaAdminStub(ch).ListNodes(meta_pb2.ListNodesRequest(), timeout=5).nodes
+    return {n.info.node_id: n.state for n in nodes}
 
 
 def test_a_tp2_node_serves_the_offline_tokens(mesh, expected):  # noqa: F811
@@ -84,11 +101,12 @@ def test_a_tp2_node_serves_the_offline_tokens(mesh, expected):  # noqa: F811
     assert len(workers) == 1, "n0 steps with one rank-1 worker process"
     assert not rank_workers(mesh.services["n1"].process.pid), "n1 is TP 1"
     assert members(mesh)["n0"].tensor_parallel_size == 2
+    before = routed(mesh)
     results = asyncio.run(run_concurrently(mesh.gateway_address))
     assert_matches_offline(results, expected)
-    counts = routed(mesh)
+    counts = {k: v - before[k] for k, v in routed(mesh).items()}
     assert counts["n0"] >= len(MAX_TOKENS) // 2 - 1 and counts["n1"] >= 1, counts
-    assert_no_blocks_in_use(mesh)
+    assert_no_blocks_in_use(mesh, timeout_s=HANG_GUARD_S)
 
 
 def listening_sockets(pid: int) -> dict[int, str]:
@@ -131,30 +149,40 @@ def test_node_info_lists_every_ranks_transfer_listeners(mesh):
     assert all(not a.startswith(("0.0.0.0", "[::]")) for a in info.transfer_listen_addresses)
 
 
-def test_kill_9_of_a_rank_takes_the_node_out_and_the_mesh_serves_on(mesh, expected):  # noqa: F811
-    n0 = mesh.services["n0"].process
-    [worker] = rank_workers(n0.pid)
-    os.kill(worker, signal.SIGKILL)
-    killed = time.monotonic()
-    while "n0" in members(mesh):
-        assert time.monotonic() - killed < 2.0, "n0 still a member 2 s after its rank died"
-        time.sleep(0.05)
-    n0.wait(timeout=10)          # it exits non-zero for its supervisor to restart it
-    assert n0.returncode == 1
-    results = asyncio.run(run_concurrently(mesh.gateway_address))
-    assert_matches_offline(results, expected)
-    assert_no_blocks_in_use(mesh)
+def test_kill_9_of_a_rank_takes_the_node_out_and_the_mesh_serves_on(model, tmp_path_factory, expected):  # noqa: F811
+    """n0 leaves the mesh by itself: it is not listed at all, where a node whose TTL lapsed
+    is listed down; every request after that goes to n1."""
+    m = launch_tp_mesh(model, tmp_path_factory, "tp-mesh-kill")
+    try:
+        n0 = m.services["n0"].process
+        [worker] = rank_workers(n0.pid)
+        os.kill(worker, signal.SIGKILL)
+        killed = time.monotonic()
+        while "n0" in members(m):
+            assert time.monotonic() - killed < HANG_GUARD_S, "n0 never left the mesh after its rank died"
+            time.sleep(0.05)
+        print(f"n0 left the mesh {time.monotonic() - killed:.2f}s after its rank died")
+        assert listed_states(m) == {"n1": "up"}
+        n0.wait(timeout=HANG_GUARD_S)          # it exits non-zero for its supervisor to restart it
+        assert n0.returncode == 1
+        before = routed(m)
+        results = asyncio.run(run_concurrently(m.gateway_address))
+        assert_matches_offline(results, expected)
+        after = routed(m)
+        assert after["n0"] == before["n0"] and after["n1"] == before["n1"] + len(MAX_TOKENS), (before, after)
+        assert_no_blocks_in_use(m, timeout_s=HANG_GUARD_S)
+    finally:
+        m.stop()
 
 
 def test_no_rank_process_outlives_the_mesh(model, tmp_path_factory):
-    raw = mesh_dict(model, (("both", "n0"),))
-    raw["nodes"][0]["engine"] = {"tensor_parallel_size": 2}
-    m = launch(tmp_path_factory.mktemp("tp-mesh-stop"), raw)
+    m = launch_tp_mesh(model, tmp_path_factory, "tp-mesh-stop", nodes=(("both", "n0"),))
     try:
         [worker] = rank_workers(m.services["n0"].process.pid)
     finally:
         m.stop()
-    deadline = time.monotonic() + 10
+    stopped = time.monotonic()
     while alive(worker):
-        assert time.monotonic() < deadline, "the rank-1 worker outlived its node"
+        assert time.monotonic() - stopped < HANG_GUARD_S, "the rank-1 worker outlived its node"
         time.sleep(0.05)
+    print(f"the rank-1 worker was gone {time.monotonic() - stopped:.2f}s after the mesh stopped")

@@ -27,6 +27,10 @@ from tests.channels import operator_channel
 ROOT = Path(__file__).resolve().parents[2]
 READY = re.compile(r"^gateway ready at (\S+)$")
 PID = re.compile(r"^(\S+)\s+\S+\s+healthy at \S+ \(pid (\d+), cores ([\d-]+(?:,[\d-]+)*)( \(not pinned\))?.*\)$")
+# Bounds that only catch a hang (a loaded machine is slower, never this slow); the seconds
+# taken are printed, not asserted.
+START_GUARD_S = 240     # `up` making the model (when it must) and starting five services
+HANG_GUARD_S = 60       # any other step: a status line, a restart, a stop
 
 
 def write_config(tmp_path: Path, model: Path, *, bind_any: bool = False) -> Path:
@@ -85,7 +89,7 @@ class Up:
 
     def finish(self, timeout_s: float) -> int:
         code = self.proc.wait(timeout=timeout_s)
-        while (line := self._queue.get(timeout=5)) is not None:
+        while (line := self._queue.get(timeout=HANG_GUARD_S)) is not None:
             self.lines.append(line)
         return code
 
@@ -122,16 +126,17 @@ def model_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("up-models") / "tiny-llama"
 
 
-@pytest.mark.timeout(120)
-def test_up_serves_then_stops_cleanly_on_sigterm(tmp_path, model_dir):
-    """As a user runs it: no secret configured anywhere (the session's are withheld), so
-    `pdmesh up` makes them, and `pdmesh generate` / `pdmesh admin` find them by themselves."""
-    assert not model_dir.exists()
-    model = model_dir
+def test_up_serves_then_stops_cleanly_on_sigterm(tmp_path):
+    """As a user runs it: no model yet (a folder of its own, whatever ran before), so `up`
+    makes it; no secret configured anywhere (the session's are withheld), so `pdmesh up`
+    makes them, and `pdmesh generate` / `pdmesh admin` find them by themselves. SIGTERM
+    stops every service (each says "stopped", none is killed) and `up` exits 0."""
+    model = tmp_path / "models" / "tiny-llama"
+    assert not model.exists()
     user_env = {"PDMESH_CLUSTER_SECRET": "", "PDMESH_ADMIN_TOKEN": "", "PDMESH_STATE_DIR": str(tmp_path / "state")}
     up = Up(write_config(tmp_path, model), tmp_path / "logs", env=user_env)
     try:
-        address = up.wait_for(READY, 90)[1]
+        address = up.wait_for(READY, START_GUARD_S)[1]
         assert any(line.startswith("making the built-in tiny llama model") for line in up.lines)
         assert any(line.startswith(f"credentials made for this mesh in {tmp_path / 'logs' / 'credentials'}")
                    for line in up.lines)
@@ -159,8 +164,8 @@ def test_up_serves_then_stops_cleanly_on_sigterm(tmp_path, model_dir):
 
         start = time.monotonic()
         up.proc.send_signal(signal.SIGTERM)
-        assert up.finish(timeout_s=15) == 0
-        assert time.monotonic() - start < 15
+        assert up.finish(timeout_s=HANG_GUARD_S) == 0
+        print(f"up exited {time.monotonic() - start:.2f}s after SIGTERM")
         assert [line for line in up.lines if READY.match(line)] == [f"gateway ready at {address}"]
         assert_all_gone(up, SERVICES)
         assert not (tmp_path / "state" / "mesh.json").exists()    # the record goes with the mesh
@@ -168,12 +173,11 @@ def test_up_serves_then_stops_cleanly_on_sigterm(tmp_path, model_dir):
         up.kill()
 
 
-@pytest.mark.timeout(120)
 def test_up_demo_bind_any_advertise_name(tmp_path, model_dir):
     up = Up(write_config(tmp_path, model_dir, bind_any=True), tmp_path / "logs",
             "--demo", "--max-tokens", "12")
     try:
-        code = up.finish(timeout_s=110)
+        code = up.finish(timeout_s=START_GUARD_S + HANG_GUARD_S)
         out = "\n".join(up.lines)
         assert code == 0, out
         assert sum(1 for line in up.lines if READY.match(line)) == 1
@@ -189,14 +193,13 @@ def test_up_demo_bind_any_advertise_name(tmp_path, model_dir):
 RESTARTED = re.compile(r"^(\S+)\s+\S+\s+restarted at \S+ \(pid (\d+), cores .*\)$")
 
 
-@pytest.mark.timeout(180)
 def test_up_restarts_a_service_that_dies_and_keeps_serving(tmp_path, model_dir):
     """A stopped decode node: `up` says it is unhealthy, then healthy again once resumed.
     kill -9 of the prefill node and of the decode node: `up` says so, starts each again
     with back-off, and the mesh serves; SIGTERM still stops everything with 0."""
     up = Up(write_config(tmp_path, model_dir), tmp_path / "logs")
     try:
-        address = up.wait_for(READY, 90)[1]
+        address = up.wait_for(READY, START_GUARD_S)[1]
 
         async def one():
             async with operator_channel(address) as channel:
@@ -205,28 +208,29 @@ def test_up_restarts_a_service_that_dies_and_keeps_serving(tmp_path, model_dir):
         stopped = up.pids()["decode-0"]       # a stopped node: one line when it goes, one when it is back
         os.killpg(stopped, signal.SIGSTOP)
         try:
-            up.wait_for(re.compile(r"^decode-0\s+decode\s+unhealthy \(no answer\) at \S+ \(pid \d+"), 10)
+            up.wait_for(re.compile(r"^decode-0\s+decode\s+unhealthy \(no answer\) at \S+ \(pid \d+"), HANG_GUARD_S)
         finally:
             os.killpg(stopped, signal.SIGCONT)
-        up.wait_for(re.compile(r"^decode-0\s+decode\s+healthy again at "), 10)
+        up.wait_for(re.compile(r"^decode-0\s+decode\s+healthy again at "), HANG_GUARD_S)
         for name in ("prefill-0", "decode-0"):
             old_pid = up.pids()[name] if name not in restarted_pids(up) else restarted_pids(up)[name]
             os.killpg(old_pid, signal.SIGKILL)
-            up.wait_for(re.compile(rf"^{name}\s+exited with code -9; restarting in \d+\.\ds"), 10)
-            m = up.wait_for(RESTARTED, 60)
+            up.wait_for(re.compile(rf"^{name}\s+exited with code -9; restarting in \d+\.\ds"), HANG_GUARD_S)
+            m = up.wait_for(RESTARTED, HANG_GUARD_S)
             assert m[1] == name and int(m[2]) != old_pid
             assert up.proc.poll() is None, "up keeps the mesh running"
-        deadline = time.monotonic() + 10
-        while True:   # the restarted nodes register within a TTL
+        restarted = time.monotonic()
+        while True:   # until the restarted nodes have registered
             try:
                 got = asyncio.run(one()).token_ids
                 break
             except grpc.aio.AioRpcError:
-                assert time.monotonic() < deadline
+                assert time.monotonic() - restarted < HANG_GUARD_S, "the restarted mesh never served"
                 time.sleep(0.2)
+        print(f"served {time.monotonic() - restarted:.2f}s after the last restart")
         assert got == want
         up.proc.send_signal(signal.SIGTERM)
-        assert up.finish(timeout_s=20) == 0
+        assert up.finish(timeout_s=HANG_GUARD_S) == 0
     finally:
         up.kill()
         for pid in restarted_pids(up).values():
