@@ -100,13 +100,16 @@ def loop():
     loop.close()
 
 
+SCENARIO_HANG_GUARD_S = 120.0   # a scenario takes seconds; past this it hangs (below the tier timeout)
+
+
 @pytest.fixture
 def run(loop):
     """run(scenario) runs the coroutine function on the module loop and fails the test on
     any unhandled exception in a background task."""
     def run_scenario(scenario):
         loop.errors.clear()
-        result = loop.run_until_complete(asyncio.wait_for(scenario(), 45))
+        result = loop.run_until_complete(asyncio.wait_for(scenario(), SCENARIO_HANG_GUARD_S))
         loop.run_until_complete(asyncio.sleep(0.05))
         assert not loop.errors, loop.errors
         return result
