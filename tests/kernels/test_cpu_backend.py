@@ -139,8 +139,9 @@ def test_decode_refuses_a_block_id_outside_the_cache(backend):
 
 def test_decode_lets_other_python_threads_run(backend):
     """The extension drops the GIL as torch's ops do: the node's event loop keeps going.
-    A thread stamps the clock while one long call runs; with the GIL held it could not
-    run at all inside the call's middle 80%."""
+    A thread stamps the clock while a long call runs; with the GIL held it could not run
+    at all inside the call's middle 80%. A loaded host may give the thread no core during
+    one call, so up to 20 calls: with the GIL held, none would have a stamp inside."""
     import threading
     import time
     if backend.extension is None:
@@ -159,13 +160,17 @@ def test_decode_lets_other_python_threads_run(backend):
     thread = threading.Thread(target=stamp)
     thread.start()
     running.wait()
-    t0 = time.perf_counter()
-    backend.extension.paged_decode(q, paged.k_cache, paged.v_cache, meta.block_tables, meta.seq_lens)
-    t1 = time.perf_counter()
+    calls = []     # (seconds, stamps inside the middle 80%) of each call
+    for _ in range(20):
+        t0 = time.perf_counter()
+        backend.extension.paged_decode(q, paged.k_cache, paged.v_cache, meta.block_tables, meta.seq_lens)
+        t1 = time.perf_counter()
+        calls.append((t1 - t0, sum(t0 + 0.1 * (t1 - t0) < t < t0 + 0.9 * (t1 - t0) for t in list(stamps))))
+        if calls[-1][1]:
+            break
     running.clear()
     thread.join()
-    inside = [t for t in stamps if t0 + 0.1 * (t1 - t0) < t < t0 + 0.9 * (t1 - t0)]
-    assert len(inside) > 10, (t1 - t0, len(inside))
+    assert calls[-1][1] > 0, calls
 
 
 def test_an_unbuilt_library_falls_back_to_ref_decode(monkeypatch, caplog):

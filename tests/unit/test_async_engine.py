@@ -16,11 +16,25 @@ from common.engine.remote_kv import KVFilled
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PROMPT = list(range(3, 43))   # 40 tokens: 3 blocks of 16
+HANG_GUARD_S = 30.0           # a wait's bound: only catches a hang, never a slow host
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def llm(tiny_model, llm_factory):
-    return llm_factory(tiny_model("llama"), max_model_len=256)
+    """The session's shared engine with its prefix cache emptied before and after each
+    test: FakeRemote's fill writes no KV, yet the prompt's blocks are registered as cached
+    (garbage to any later test with the same prefix), and a prefix an earlier test cached
+    would change what the tests here see (cached tokens, blocks used)."""
+    llm = llm_factory(tiny_model("llama"), max_model_len=256)
+    llm.engine.block_manager.reset_prefix_cache()
+    yield llm
+    llm.engine.block_manager.reset_prefix_cache()
+
+
+@pytest.fixture
+def reference(tiny_model, llm_factory):
+    """Expected tokens, from an engine without a prefix cache."""
+    return llm_factory(tiny_model("llama"), max_model_len=256, enable_prefix_caching=False)
 
 
 def run_with(llm, scenario):
@@ -39,14 +53,14 @@ def test_commands_run_at_once_when_idle_and_in_order_behind_a_step(llm):
 
         def busy():  # stands for a long step: holds the engine on the step thread
             started.set()
-            gate.wait(5)
+            gate.wait(HANG_GUARD_S)
 
         def record(i):
             order.append(i)
             return threading.get_ident()
 
         engine._submit(busy)
-        assert await asyncio.to_thread(started.wait, 5)
+        assert await asyncio.to_thread(started.wait, HANG_GUARD_S)
         first = asyncio.ensure_future(engine._run_on_engine(lambda: record(1)))
         second = asyncio.ensure_future(engine._run_on_engine(lambda: record(2)))
         await asyncio.sleep(0.05)
@@ -61,7 +75,7 @@ def test_commands_run_at_once_when_idle_and_in_order_behind_a_step(llm):
 
 def wait_idle(engine) -> None:
     """Until the step thread has let go of the engine (it settles commands before)."""
-    assert engine._engine_lock.acquire(timeout=5)
+    assert engine._engine_lock.acquire(timeout=HANG_GUARD_S)
     engine._engine_lock.release()
 
 
@@ -136,8 +150,8 @@ def test_leaving_during_remote_prefill_cancels_it_before_freeing_blocks(llm):
     assert used_after == 0
 
 
-def test_failed_remote_prefill_falls_back_to_local_prefill(llm):
-    expected = llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids
+def test_failed_remote_prefill_falls_back_to_local_prefill(llm, reference):
+    expected = reference.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids
 
     async def scenario(engine):
         return [t async for out in engine.generate("r", PROMPT, GREEDY, remote=FakeRemote(llm, None))
@@ -154,17 +168,17 @@ def test_calls_after_shutdown_fail_instead_of_waiting_forever(llm):
 
         def busy():
             started.set()
-            gate.wait(5)
+            gate.wait(HANG_GUARD_S)
 
         engine._submit(busy)
-        assert await asyncio.to_thread(started.wait, 5)
+        assert await asyncio.to_thread(started.wait, HANG_GUARD_S)
         queued = asyncio.ensure_future(engine.release("nothing"))  # behind the busy step
         await asyncio.sleep(0.05)
         stopping = asyncio.ensure_future(asyncio.to_thread(engine.shutdown))
         await asyncio.sleep(0.05)
         gate.set()
         await stopping
-        assert await asyncio.wait_for(queued, 5) is False   # queued before: it still ran
+        assert await asyncio.wait_for(queued, HANG_GUARD_S) is False   # queued before: it still ran
         with pytest.raises(EngineDeadError, match="shut down"):
             await engine.release("nothing")
 

@@ -20,11 +20,18 @@ from tests.unit.test_async_engine import run_with
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 LOCAL = list(range(3, 43))            # 40 tokens: 3 blocks of 16
 REMOTE = list(range(100, 150))        # 50 tokens: 4 blocks
+HANG_GUARD_S = 30.0                   # a wait's bound: only catches a hang, never a slow host
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def llm(tiny_model, llm_factory):
-    return llm_factory(tiny_model("llama"), max_model_len=224)   # an engine (prefix cache) of its own
+    """An engine (prefix cache) of its own, emptied before and after each test:
+    AnsweringRemote writes no KV, yet REMOTE's blocks are registered as cached, and
+    REMOTE prefilled here by one test would be a cache hit to the next."""
+    llm = llm_factory(tiny_model("llama"), max_model_len=224)
+    llm.engine.block_manager.reset_prefix_cache()
+    yield llm
+    llm.engine.block_manager.reset_prefix_cache()
 
 
 class HeldForward:
@@ -40,7 +47,7 @@ class HeldForward:
     def __call__(self, sched, between_layers=None):
         self.batches.append(sorted(s.request_id for s in (*sched.decode_seqs, *sched.prefill_seqs)))
         self.entered.set()
-        assert self.gate.wait(10), "the test never opened the gate"
+        assert self.gate.wait(2 * HANG_GUARD_S), "the test never opened the gate"
         return self.execute(sched, between_layers)
 
     @property
@@ -73,7 +80,7 @@ async def tokens(stream) -> list[list[int]]:
     return [out.new_token_ids async for out in stream]
 
 
-async def done_while_held(aw, forward: HeldForward, timeout_s: float = 5.0) -> tuple[asyncio.Future, bool]:
+async def done_while_held(aw, forward: HeldForward, timeout_s: float = HANG_GUARD_S) -> tuple[asyncio.Future, bool]:
     """Start aw; whether it finished while the step's forward pass was still held (waiting
     at most timeout_s: before the fix it waits for the gate, which only the test opens)."""
     task = asyncio.ensure_future(aw)
@@ -87,7 +94,7 @@ def test_a_remote_first_token_is_delivered_while_a_decode_step_runs(llm, monkeyp
     async def scenario(engine):
         local = asyncio.ensure_future(tokens(engine.generate("local", LOCAL, GREEDY)))
         try:
-            assert await asyncio.to_thread(forward.entered.wait, 10)
+            assert await asyncio.to_thread(forward.entered.wait, HANG_GUARD_S)
             remote = AnsweringRemote(forward)
             stream = engine.generate("remote", REMOTE, GREEDY, remote=remote)
             first, delivered_while_held = await done_while_held(anext(stream), forward)
@@ -115,7 +122,7 @@ def test_a_held_request_is_released_while_a_step_runs(llm, monkeypatch):
         forward = HeldForward(llm.engine.runner, monkeypatch)
         local = asyncio.ensure_future(tokens(engine.generate("local", LOCAL, GREEDY)))
         try:
-            assert await asyncio.to_thread(forward.entered.wait, 10)
+            assert await asyncio.to_thread(forward.entered.wait, HANG_GUARD_S)
             released, while_held = await done_while_held(engine.release("held"), forward)
         finally:
             forward.gate.set()
@@ -133,7 +140,7 @@ def test_an_abort_and_every_command_behind_it_wait_for_the_step_boundary(llm, mo
         caller = threading.get_ident()
         local = asyncio.ensure_future(tokens(engine.generate("local", LOCAL, GREEDY)))
         try:
-            assert await asyncio.to_thread(forward.entered.wait, 10)
+            assert await asyncio.to_thread(forward.entered.wait, HANG_GUARD_S)
             ran_on = await engine._run_on_engine(lambda: order.append("a") or threading.get_ident(),
                                                  in_forward=True)
             abort = asyncio.ensure_future(engine._run_on_engine(lambda: order.append("abort")))

@@ -3,11 +3,12 @@ the fake transfer holding KV writes in flight): a cancel whose writes cannot be 
 stopped keeps the destination blocks QUARANTINED, never handed to another request, until
 the prefill node confirms (the late write lands in the quarantined blocks only) or is
 gone (its port refuses connections) for 2 x timeouts.transfer_s; a full prefill node answers RESOURCE_EXHAUSTED at
-once and the decode node prefills locally within 100 ms; a prefill whose cancel overtook
-it is refused."""
+once and the decode node prefills locally, without waiting for room there; a prefill whose
+cancel overtook it is refused."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 
@@ -20,6 +21,7 @@ from tests.prefill_pair import FAST, PrefillPair
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+HANG_GUARD_S = 30.0     # a wait's bound: only catches a hang, never a slow host
 
 
 def prompt(seed: int, n: int = 60) -> list[int]:
@@ -34,14 +36,16 @@ def model(tiny_model):
 
 @pytest.fixture(scope="module")
 def reference(model, llm_factory):
-    return llm_factory(model, max_model_len=256)
+    """Expected tokens, from an engine with no prefix cache: nothing an earlier test cached
+    (or a fake prefill node registered without writing its KV) can change them."""
+    return llm_factory(model, max_model_len=256, enable_prefix_caching=False)
 
 
 def expect(reference, p, params):
     return reference.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids
 
 
-async def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition"):
+async def wait_for(predicate, timeout_s: float = HANG_GUARD_S, what: str = "condition"):
     deadline = time.monotonic() + timeout_s
     while not await predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -81,7 +85,7 @@ async def pair_collect(pair, rid, p, params, remote=None) -> list[int]:
     return [t async for out in pair.decode.generate(rid, p, params, remote=remote) for t in out.new_token_ids]
 
 
-def test_blocks_stay_quarantined_until_the_dead_prefill_node_plus_the_transfer_timeout(model, reference):
+def test_blocks_stay_quarantined_until_the_dead_prefill_node_plus_the_transfer_timeout(model, reference, caplog):
     a, b = prompt(1), prompt(2)
     want_b = expect(reference, b, GREEDY)
 
@@ -101,9 +105,13 @@ def test_blocks_stay_quarantined_until_the_dead_prefill_node_plus_the_transfer_t
         finally:
             await pair.close()
 
-    got_b, freed_after, pair = asyncio.run(scenario())
+    with caplog.at_level(logging.WARNING, logger="pdmesh.decode"):
+        got_b, freed_after, pair = asyncio.run(scenario())
+    print(f"freed {freed_after:.2f} s after the prefill node died (transfer_bound_s {FAST.transfer_bound_s} s)")
     assert got_b == want_b
-    assert FAST.transfer_bound_s <= freed_after < FAST.transfer_bound_s + 4.0
+    assert freed_after >= FAST.transfer_bound_s          # never before a late write could still land
+    # freed because its port refused for transfer_bound_s, not at the request's deadline
+    assert "prefill node prefill-0 is gone: freeing the blocks of a" in caplog.text
     assert pair.decode_engine.stats()["used_blocks"] == 0
 
 
@@ -149,10 +157,13 @@ def test_a_full_prefill_node_is_refused_at_once_and_the_decode_node_prefills_loc
         pair = await PrefillPair(model, prefill_blocks=8, max_queue=1).start()
         started: dict[str, float] = {}
         fallback: dict[str, float] = {}
+        at_fallback: dict[str, tuple[int, int]] = {}
         fail_remote = pair.decode_engine.fail_remote
 
         def record_fallback(request_id, writer_settled):
             fallback[request_id] = time.monotonic()
+            # what still occupies the prefill node: the first's held write, the second queued
+            at_fallback[request_id] = (pair.prefill_transfer.num_held, pair.prefill_node.engine.num_waiting())
             assert writer_settled, "a refused prefill wrote nothing"
             return fail_remote(request_id, writer_settled)
 
@@ -176,13 +187,14 @@ def test_a_full_prefill_node_is_refused_at_once_and_the_decode_node_prefills_loc
             got = await pair_collect(pair, "third", third, GREEDY, remote)
             pair.prefill_transfer.release_held()
             await asyncio.gather(*held)
-            return got, fallback["third"] - started["third"], remote.num_refused
+            return got, fallback["third"] - started["third"], remote.num_refused, at_fallback["third"]
         finally:
             await pair.close()
 
-    got, delay, refused = asyncio.run(scenario())
+    got, delay, refused, occupied = asyncio.run(scenario())
+    print(f"fell back {delay * 1e3:.0f} ms after the prefill call")
     assert got == want_third and refused == 1
-    assert delay < 0.1
+    assert occupied[0] >= 1 and occupied[1] == 1   # refused while the node was still full: no wait for room
 
 
 def test_a_prefill_whose_cancel_arrived_first_is_refused(model):
