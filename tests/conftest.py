@@ -177,6 +177,15 @@ def assert_no_blocks_in_use(engine) -> None:
     assert not (sched.running or sched.waiting or sched.ready or sched.remote or sched.held)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def fresh_prefix_caches():
+    """Each module starts with empty prefix caches in the session's shared engines: what
+    another module computed (or left with wrong KV, as a fake remote fill does) is never
+    a hit here, whatever order the modules run in."""
+    for llm in _ENGINES.values():
+        llm.engine.block_manager.reset_prefix_cache()
+
+
 @pytest.fixture(autouse=True)
 def no_block_leaks():
     yield

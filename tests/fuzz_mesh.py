@@ -187,7 +187,7 @@ class Mesh:
         await self.meta.control.set_policy(self.policy)
         await self.wait_for_real_members()
 
-    async def assert_no_blocks_in_use(self, timeout_s: float = 5.0) -> None:
+    async def assert_no_blocks_in_use(self, timeout_s: float = 30.0) -> None:
         """Both engines idle (nothing running, waiting, remote, held or quarantined),
         then the shared leak check on each."""
         for server in (self.both, self.prefill):
