@@ -1,4 +1,4 @@
-"""Hugging Face `config.json` -> frozen ModelConfig.
+"""Hugging Face `config.json` (or a .gguf file's metadata, formats/gguf.py) -> frozen ModelConfig.
 
 Reads both the transformers 4.x spelling (`rope_theta`, `rope_scaling`) and the 5.x one
 (`rope_parameters`). Everything the model code needs is resolved here, so the model never
@@ -124,6 +124,12 @@ def model_config_from_dict(raw: dict[str, Any], source: str = "config.json") -> 
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """The config of a HF model folder (its config.json) or of a .gguf file (its metadata)."""
+    from common.model.formats import is_gguf
+    if is_gguf(model_dir):
+        from common.model.formats.gguf import config_dict
+        from common.model.formats.gguf_reader import read_gguf
+        return model_config_from_dict(config_dict(read_gguf(model_dir)), source=str(model_dir))
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no config.json in the model folder")

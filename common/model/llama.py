@@ -248,7 +248,8 @@ class CausalLM(nn.Module):
         if self.cfg.tie_word_embeddings:
             sources["lm_head.weight"] = (slice(0, 0),)   # a copy some tied checkpoints carry: read none of it
         loaded: set[str] = set()
-        for name, tensor, path, shape in iter_checkpoint(model_dir, slices=sources, with_shape=True):
+        for name, tensor, path, shape in iter_checkpoint(model_dir, slices=sources, with_shape=True,
+                                                        dtype=self.dtype):
             slot = slots.get(name)
             if slot is None:
                 if name == "lm_head.weight" or name.endswith(IGNORED_SUFFIXES):

@@ -1,8 +1,9 @@
 """Tokenizer of a Hugging Face model folder, on the `tokenizers` library only.
 
 `Tokenizer.from_dir(model_dir)` reads tokenizer.json (required) and, when present,
-tokenizer_config.json, config.json and generation_config.json. It never imports
-transformers, so encode/decode are exactly `tokenizers.Tokenizer.encode/decode`:
+tokenizer_config.json, config.json and generation_config.json; given a .gguf file, it
+builds the same from the file's metadata (common/model/formats/gguf_tokenizer.py). It
+never imports transformers, so encode/decode are exactly `tokenizers.Tokenizer.encode/decode`:
 whether a bos token is prepended is decided by tokenizer.json's post-processor, as in HF
 fast tokenizers (Llama-3: yes; Qwen2/Qwen3: no bos at all).
 
@@ -26,6 +27,8 @@ from typing import Iterable, Sequence
 
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders
+
+from common.model.formats import is_gguf
 
 
 class TokenizerError(ValueError):
@@ -56,8 +59,11 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
-        """Load from a HF model folder. Raises TokenizerError naming the bad file."""
+        """Load from a HF model folder, or a .gguf file (its tokenizer.ggml.* metadata,
+        common/model/formats/gguf_tokenizer.py). Raises TokenizerError naming the bad file."""
         root = Path(model_dir)
+        if is_gguf(root):
+            return cls._from_gguf(root)
         path = root / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(f"{path}: tokenizer.json not found (only HF fast tokenizers are supported)")
@@ -85,6 +91,13 @@ class Tokenizer:
             eos_ids.append(eos_from_tok)
         pad = token_id("pad_token", strict=False) if "pad_token" in tok_cfg else model_cfg.get("pad_token_id")
         return cls(tok, bos_token_id=bos, eos_token_ids=eos_ids, pad_token_id=pad)
+
+    @classmethod
+    def _from_gguf(cls, path: Path) -> "Tokenizer":
+        from common.model.formats.gguf_reader import read_gguf
+        from common.model.formats.gguf_tokenizer import build_tokenizer, special_token_ids
+        file = read_gguf(path)
+        return cls(build_tokenizer(file), **special_token_ids(file))
 
     @property
     def backend(self) -> _HFTokenizer:

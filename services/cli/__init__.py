@@ -24,6 +24,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "services.cli.certs",
     "services.cli.secrets",
     "services.cli.bench",
+    "services.cli.models",
 )
 
 

@@ -33,7 +33,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--gateway", default="", metavar="HOST:PORT",
                    help="send the prompts to this gateway instead of running the engine here")
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="offline: HF model folder (default: %(default)s); ignored with --gateway")
+                   help="offline: HF model folder or .gguf file (default: %(default)s); ignored with --gateway")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -98,7 +98,7 @@ async def _stream_all(args: argparse.Namespace) -> int:
 def _run_offline(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     model = Path(args.model)
-    if not (model / "config.json").exists():
+    if not (model / "config.json").exists() and not (model.suffix == ".gguf" and model.is_file()):
         if args.model != DEFAULT_MODEL:
             print(f"error: --model {model}: no config.json there")
             return 2

@@ -74,7 +74,7 @@ def ensure_model(mesh) -> None:
     no config.json (built in a sibling temp folder, then renamed: never half-written).
     ValueError when the folder is missing and no tiny_arch is given."""
     model = Path(mesh.model)
-    if (model / "config.json").exists():
+    if (model / "config.json").exists() or (model.suffix == ".gguf" and model.is_file()):
         return
     if not mesh.tiny_arch:
         raise ValueError(f"model folder {model} has no config.json (set tiny_arch to make a tiny model)")

@@ -5,6 +5,7 @@ and against transformers' own GGUF loading), the engine's greedy tokens against
 transformers, and the errors a bad file gets."""
 from __future__ import annotations
 
+import io
 import struct
 
 import numpy as np
@@ -106,6 +107,12 @@ def test_slices_dtype_and_full_shape(tiny_gguf, source_model):
     assert tensor.untyped_storage().nbytes() == tensor.numel() * 2     # not a view of the whole
 
 
+def test_progress_bar_counts_the_file(tiny_gguf):
+    out = io.StringIO()
+    names = [name for name, _, _ in iter_checkpoint(tiny_gguf(T.Q8_0), progress=out)]
+    assert "dequantizing weights" in out.getvalue() and f"tensors {len(names)}/{len(names)}" in out.getvalue()
+
+
 @pytest.mark.parametrize("kind", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q4_0, T.Q4_1, T.Q8_0],
                          ids=lambda k: k.name)
 def test_dequantize_agrees_with_transformers(kind, tmp_path, source_model):
@@ -171,7 +178,8 @@ def test_not_a_gguf_file(tmp_path):
 
 def test_unsupported_tensor_type_names_tensor_and_allowed(tmp_path, source_model):
     raw = np.zeros((64, 64 // 32 * 18), dtype=np.uint8)      # IQ4_NL: ggml has it, we do not
-    path = write_tiny_llama(tmp_path / "iq.gguf", source_model, extra_tensors={"blk.0.ffn_up.weight": (raw, T.IQ4_NL)})
+    path = write_tiny_llama(tmp_path / "iq.gguf", source_model,
+                            extra_tensors={"blk.0.ffn_up.weight": (raw, T.IQ4_NL)})
     with pytest.raises(ValueError, match=r"tensor 'blk.0.ffn_up.weight' has type IQ4_NL, which is not "
                                          r"supported; allowed: \['F32', 'F16', 'BF16', 'Q8_0'"):
         load_model_config(path)

@@ -24,6 +24,8 @@ from pathlib import Path
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from common.model.formats import is_gguf
+
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
@@ -71,12 +73,18 @@ class ChatTemplate:
     def from_dir(cls, model_dir: str | Path) -> "ChatTemplate | None":
         """The template of a HF model folder: tokenizer_config.json "chat_template" (a
         string, or a list of {"name", "template"} of which "default" is taken), else a
-        chat_template.jinja file beside it; None when the model has none."""
+        chat_template.jinja file beside it; None when the model has none. A .gguf file:
+        its tokenizer.chat_template (common/model/formats/gguf_tokenizer.py)."""
         root = Path(model_dir)
-        try:
-            config = json.loads((root / "tokenizer_config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            config = {}
+        if is_gguf(root):
+            from common.model.formats.gguf_reader import read_gguf
+            from common.model.formats.gguf_tokenizer import tokenizer_config
+            config = tokenizer_config(read_gguf(root))
+        else:
+            try:
+                config = json.loads((root / "tokenizer_config.json").read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                config = {}
         source = config.get("chat_template")
         if isinstance(source, list):
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
