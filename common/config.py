@@ -236,6 +236,7 @@ class MeshConfig:
     model: str
     model_id: str = ""
     tiny_arch: str = ""                 # make the model folder with the tiny maker if missing
+    pull: str = ""                      # or pull this known model into it (pdmesh models list)
     cluster: str = "local"
     engine: dict[str, Any] = dataclasses.field(default_factory=dict)
     meta: MetaConfig = MetaConfig()
@@ -249,6 +250,12 @@ class MeshConfig:
     security: SecurityConfig = SecurityConfig()
 
     def __post_init__(self) -> None:
+        if self.pull and self.tiny_arch:
+            raise ValueError(f"pull ({self.pull!r}) and tiny_arch ({self.tiny_arch!r}) both say how to make the "
+                             "model folder: set one")
+        if self.pull:
+            from common.model.catalog import known_model
+            known_model(self.pull)   # ValueError naming the known ones
         if self.engine.get("borrow_cores"):
             raise ValueError("engine.borrow_cores would lend cores to every node: set it in a decode "
                              "node's own section (nodes[].engine.borrow_cores)")
@@ -304,7 +311,7 @@ def _section(cls, raw: Any, name: str):
 def mesh_config_from_dict(raw: dict[str, Any], base_dir: str = ".") -> MeshConfig:
     """Build a MeshConfig; relative model paths are taken from base_dir."""
     from pathlib import Path
-    known = {"model", "model_id", "tiny_arch", "cluster", "engine", "meta_server", "gateway",
+    known = {"model", "model_id", "tiny_arch", "pull", "cluster", "engine", "meta_server", "gateway",
              "nodes", "transfer", "etcd_endpoint", "kv_store", "timeouts", "limits", "security"}
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -317,6 +324,7 @@ def mesh_config_from_dict(raw: dict[str, Any], base_dir: str = ".") -> MeshConfi
     nodes = tuple(_section(NodeConfig, n, f"nodes[{i}]") for i, n in enumerate(raw.get("nodes") or []))
     return MeshConfig(
         model=str(model), model_id=raw.get("model_id", ""), tiny_arch=raw.get("tiny_arch", ""),
+        pull=str(raw.get("pull", "") or ""),
         cluster=raw.get("cluster", "local"), engine=dict(raw.get("engine") or {}),
         meta=_section(MetaConfig, raw.get("meta_server"), "meta_server"),
         gateway=_section(GatewayConfig, raw.get("gateway"), "gateway"),

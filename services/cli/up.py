@@ -70,14 +70,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def ensure_model(mesh) -> None:
-    """Make the tiny model at mesh.model when mesh.tiny_arch names one and the folder has
-    no config.json (built in a sibling temp folder, then renamed: never half-written).
-    ValueError when the folder is missing and no tiny_arch is given."""
+    """Make the model folder when it is missing (no config.json): pull mesh.pull, a known
+    model (common/model/catalog.py: converted in a temporary folder, then renamed), or
+    make the tiny model mesh.tiny_arch names (built in a sibling temp folder, then
+    renamed): never half-written. ValueError when the folder is missing and the config
+    says neither."""
     model = Path(mesh.model)
     if (model / "config.json").exists() or (model.suffix == ".gguf" and model.is_file()):
         return
+    if mesh.pull:
+        from common.model.catalog import pull_model
+        print(f"pulling {mesh.pull} into {model} (pdmesh models pull)", flush=True)
+        pull_model(mesh.pull, folder=model, say=lambda line: print(line, flush=True))
+        return
     if not mesh.tiny_arch:
-        raise ValueError(f"model folder {model} has no config.json (set tiny_arch to make a tiny model)")
+        raise ValueError(f"model folder {model} has no config.json (set pull to a known model, "
+                         "or tiny_arch to make a tiny one)")
     from common.model.tiny import ARCHS, make_tiny_model
     if mesh.tiny_arch not in ARCHS:
         raise ValueError(f"tiny_arch must be one of {sorted(ARCHS)}, got {mesh.tiny_arch!r}")
@@ -240,6 +248,7 @@ def _check_tensor_parallel(mesh_cfg) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from common.config import load_mesh_config
+    from common.model.catalog import PullError
     try:
         mesh_cfg = load_mesh_config(args.config)
         from common.parallel import check_role
@@ -248,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
         mesh_cfg.engine_config()
         ensure_model(mesh_cfg)
         _check_tensor_parallel(mesh_cfg)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, PullError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from services.cli.launcher import MeshProcesses
@@ -270,7 +279,8 @@ def run(args: argparse.Namespace) -> int:
             if mesh_cfg.tiny_arch:
                 print("(the tiny model has random weights: its text is gibberish)", flush=True)
             code = run_demo(address, max_tokens=args.max_tokens, api_key=mesh.api_key(),
-                            tls=mesh.client_tls(cert_name=None), http_address=mesh.http_address)
+                            tls=mesh.client_tls(cert_name=None), http_address=mesh.http_address,
+                            model=mesh_cfg.model)
         else:
             code = _supervise(mesh, args.start_timeout)
     except KeyboardInterrupt:

@@ -38,6 +38,8 @@ def write_config(tmp_path: Path, model: Path, *, bind_any: bool = False) -> Path
     0.0.0.0, advertise a name, transfer hostname from the node)."""
     raw = yaml.safe_load((ROOT / "deploy" / "local.yaml").read_text())
     raw["model"] = str(model)
+    raw.pop("pull", None)
+    raw["tiny_arch"] = "llama"
     raw["engine"]["num_blocks"] = 256
     raw["gateway"]["http_port"] = free_port()   # 0 would turn the HTTP API off
     raw["meta_server"]["dashboard_port"] = free_port()

@@ -100,7 +100,8 @@ def test_model_is_made_into_the_volume_every_service_reads(services, parsed, mes
 
 def test_local_yaml_loads_with_distinct_fixed_ports():
     mesh = load_mesh_config(str(LOCAL))
-    assert mesh.tiny_arch == "llama" and mesh.model == "models/tiny-llama"
+    assert mesh.pull == "smollm2-135m-instruct" and mesh.model == "models/smollm2-135m-instruct"
+    assert not mesh.tiny_arch
     assert sorted(n.role for n in mesh.nodes) == ["decode", "prefill"]
     ports = [mesh.meta.port, mesh.gateway.port, mesh.gateway.http_port, mesh.kv_store.port,
              *(n.port for n in mesh.nodes)]
