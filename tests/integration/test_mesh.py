@@ -16,6 +16,9 @@ from tests.integration.conftest import ENGINE, engine_stats, mixed_prompts
 from tests.channels import operator_channel, operator_channel_sync
 
 MAX_TOKENS = [5, 40, 17, 33, 8, 24, 12, 3, 40, 22, 9, 30, 31, 2, 28, 19]
+SAME_ID_SEED = 17     # prompts of their own: pd_mesh's decode node holds no prefix of them
+LEAK_WAIT_S = 30.0    # only catches blocks never freed: a loaded machine frees them late
+PROBE_PROMPT, PROBE_TOKENS = list(range(600, 640)), 200
 
 
 @pytest.fixture(scope="module")
@@ -23,12 +26,22 @@ def model(tiny_model):
     return tiny_model("llama")
 
 
-@pytest.fixture(scope="module")
-def expected(model):
+def offline_tokens(model, prompts: list[list[int]]) -> list[list[int]]:
+    """The offline engine's greedy tokens of each prompt, MAX_TOKENS[i] of the i-th."""
     llm = LLM(str(model), **ENGINE)
-    outs = llm.generate([{"prompt_token_ids": p} for p in mixed_prompts()],
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS])
     return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    return offline_tokens(model, mixed_prompts())
+
+
+@pytest.fixture(scope="module")
+def same_id_expected(model):
+    return offline_tokens(model, mixed_prompts(seed=SAME_ID_SEED))
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +86,7 @@ def assert_matches_offline(results, expected):
         assert [m.finish_reason for m in msgs[:-1]] == [""] * (len(msgs) - 1)
 
 
-def assert_no_blocks_in_use(mesh, timeout_s: float = 5.0):
+def assert_no_blocks_in_use(mesh, timeout_s: float = LEAK_WAIT_S):
     """Every engine node ends with no block used or quarantined and no request in flight,
     and the kv-store (when the mesh has one) with no block pinned."""
     deadline = time.monotonic() + timeout_s
@@ -98,6 +111,18 @@ def assert_no_blocks_in_use(mesh, timeout_s: float = 5.0):
                 break
             assert time.monotonic() < deadline, f"{svc.name} still holds blocks: {stats}"
             time.sleep(0.05)
+
+
+def assert_left_requests_stopped(mesh, decode: str = "decode-0") -> None:
+    """The requests whose clients left (each with far more than PROBE_TOKENS tokens to
+    go) were aborted: once a PROBE_TOKENS request sent after they were left has finished,
+    decoded in the same batch, nothing else runs or waits on the decode node (a request
+    not aborted would still need hundreds of steps); then every block comes back."""
+    tokens, _, _ = asyncio.run(stream(mesh.gateway_address, request(PROBE_PROMPT, max_tokens=PROBE_TOKENS)))
+    assert len(tokens) == PROBE_TOKENS
+    stats = engine_stats(mesh.services[decode].address, "decode")
+    assert (stats.running, stats.waiting) == (0, 0), f"a request whose client left still runs: {stats}"
+    assert_no_blocks_in_use(mesh)
 
 
 def exits(process, deadline: float) -> bool:
@@ -136,24 +161,31 @@ def bytes_written(mesh) -> int:
 
 
 def test_disaggregated_mooncake_matches_offline(pd_mesh, model, expected):
-    before = bytes_written(pd_mesh)
+    """mixed_prompts() are sent to pd_mesh by this test only: the decode node holds no
+    prefix of them, so the prefill node pushes every prompt's whole KV."""
+    before, borrowed = bytes_written(pd_mesh), borrowed_steps(pd_mesh)
     results = asyncio.run(run_concurrently(pd_mesh.gateway_address))
     assert_matches_offline(results, expected)
     assert_ran_remotely(pd_mesh, model, results, mixed_prompts(), before)
     prefill = engine_stats(pd_mesh.services["prefill-0"].address, "prefill")
     assert prefill.prefix_hit_tokens >= 0 and prefill.total_blocks == ENGINE["num_blocks"]
-    assert_borrowed_the_prefill_cores(pd_mesh)
+    assert_borrowed_the_prefill_cores(pd_mesh, borrowed)
     assert_no_blocks_in_use(pd_mesh)
 
 
-def assert_borrowed_the_prefill_cores(mesh) -> None:
+def borrowed_steps(mesh) -> int:
+    return engine_stats(mesh.services["decode-0"].address, "decode").borrowed_core_steps
+
+
+def assert_borrowed_the_prefill_cores(mesh, borrowed_before: int) -> None:
     """Where the launcher lent the decode node the prefill node's core (2 cores or more),
-    the decode node ran steps there (the burst's decode-only tail)."""
+    the decode node ran steps there (the burst's decode-only tail) since borrowed_before
+    (borrowed_steps before the burst)."""
     decode, prefill = mesh.services["decode-0"], mesh.services["prefill-0"]
     if not decode.cpu.borrows:
         return
     assert decode.cpu.borrows == prefill.cpu.cores
-    assert engine_stats(decode.address, "decode").borrowed_core_steps > 0
+    assert borrowed_steps(mesh) > borrowed_before
 
 
 @pytest.mark.parametrize("variant", ["grpc-transfer", "both-node", "local-prefill"])
@@ -166,6 +198,7 @@ def test_other_topologies_match_offline(variant, model, start_mesh, expected):
         mesh = start_mesh(model, local_prefill_max_tokens=10**6)
     try:
         before = bytes_written(mesh) if variant != "both-node" else 0
+        borrowed = borrowed_steps(mesh) if variant == "local-prefill" else 0
         results = asyncio.run(run_concurrently(mesh.gateway_address))
         assert_matches_offline(results, expected)
         assert_no_blocks_in_use(mesh)
@@ -174,7 +207,7 @@ def test_other_topologies_match_offline(variant, model, start_mesh, expected):
         elif variant == "local-prefill":
             assert not any(msgs[0].prefill_timing.remote for _, _, msgs in results)
             assert bytes_written(mesh) == before
-            assert_borrowed_the_prefill_cores(mesh)
+            assert_borrowed_the_prefill_cores(mesh, borrowed)
     finally:
         mesh.stop()
 
@@ -209,7 +242,7 @@ def test_cancel_mid_stream_frees_every_block(pd_mesh):
         return await asyncio.gather(*(cancel_after(n) for n in (1, 3, 10, 25)))
 
     assert min(asyncio.run(many())) >= 1
-    assert_no_blocks_in_use(pd_mesh)
+    assert_left_requests_stopped(pd_mesh)
 
 
 @pytest.mark.parametrize("req,field", [
@@ -269,9 +302,9 @@ def test_every_service_has_health_and_reflection(pd_mesh):
             assert {expected[svc.role], "grpc.health.v1.Health"} <= services, svc.name
 
 
-def test_clients_may_send_the_same_request_id_at_once(pd_mesh, expected):
+def test_clients_may_send_the_same_request_id_at_once(pd_mesh, same_id_expected):
     """The mesh keys each attempt by its own id: two clients' equal ids never meet."""
-    prompts = mixed_prompts()
+    prompts = mixed_prompts(seed=SAME_ID_SEED)
 
     async def rounds():
         results = []
@@ -282,7 +315,7 @@ def test_clients_may_send_the_same_request_id_at_once(pd_mesh, expected):
             results += await asyncio.gather(*(stream(pd_mesh.gateway_address, r) for r in pair))
         return results
 
-    assert_matches_offline(asyncio.run(rounds()), expected)
+    assert_matches_offline(asyncio.run(rounds()), same_id_expected)
     assert_no_blocks_in_use(pd_mesh)
 
 

@@ -1,10 +1,12 @@
 """Prometheus /metrics of a real mesh (meta-server, kv-store, prefill-0, decode-0, gateway;
 Mooncake over TCP): each service's metrics_port, scraped over HTTP, counts exactly the
-requests sent, and names every metric the Grafana dashboard uses."""
+requests sent, and names every metric the Grafana dashboard uses. The requests are sent
+once, by a module fixture, whichever test runs first."""
 from __future__ import annotations
 
 import asyncio
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -49,22 +51,34 @@ def total(samples, metric: str, **labels) -> float:
                if n == metric and set(labels.items()) <= set(ls))
 
 
-def test_every_service_counts_the_requests_exactly(metrics_mesh, model):
+@pytest.fixture(scope="module")
+def sent(metrics_mesh):
+    """The only requests the mesh serves: NUM_REQUESTS random prompts, sent once, then
+    (every node idle) each service's scrape, next to the counters it must agree with."""
     mesh = metrics_mesh
     prompts = mixed_prompts(NUM_REQUESTS, seed=11)
-    before = engine_stats(mesh.services["prefill-0"].address, "prefill").transfer_bytes_written
-    assert before == 0
+    pushed_before = engine_stats(mesh.services["prefill-0"].address, "prefill").transfer_bytes_written
 
     async def send_all():
         return await asyncio.gather(*(stream(mesh.gateway_address, request(p, max_tokens=MAX_TOKENS))
                                       for p in prompts))
 
     results = asyncio.run(asyncio.wait_for(send_all(), 120))
-    assert all(msgs[-1].finish_reason == "length" and len(tokens) == MAX_TOKENS for tokens, _, msgs in results)
     assert_no_blocks_in_use(mesh)
-    num_prompt_tokens = sum(len(p) for p in prompts)
+    scrapes = {name: scrape(mesh, name) for name in SERVICES if name != "kv-store"}
+    prefill_stats = engine_stats(mesh.services["prefill-0"].address, "prefill")
+    scrapes["kv-store"] = scrape(mesh, "kv-store")
+    store_stats = kv_store_stats(mesh.services["kv-store"].address)
+    return SimpleNamespace(prompts=prompts, results=results, pushed_before=pushed_before, scrapes=scrapes,
+                           prefill_stats=prefill_stats, store_stats=store_stats)
 
-    gw = scrape(mesh, "gateway")
+
+def test_every_service_counts_the_requests_exactly(sent):
+    assert sent.pushed_before == 0
+    assert all(msgs[-1].finish_reason == "length" and len(tokens) == MAX_TOKENS for tokens, _, msgs in sent.results)
+    num_prompt_tokens = sum(len(p) for p in sent.prompts)
+
+    gw = sent.scrapes["gateway"]
     assert total(gw, "pdmesh:requests_total", finish_reason="length") == NUM_REQUESTS
     assert total(gw, "pdmesh:requests_total") == NUM_REQUESTS        # no stop, abort or error
     for h in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
@@ -75,7 +89,7 @@ def test_every_service_counts_the_requests_exactly(metrics_mesh, model):
     assert total(gw, "pdmesh:migrations_total") == 0
     assert total(gw, "pdmesh:num_requests_running") == 0
 
-    meta = scrape(mesh, "meta-server")
+    meta = sent.scrapes["meta-server"]
     assert total(meta, "pdmesh:routed_total", role="decode") == NUM_REQUESTS
     assert total(meta, "pdmesh:routed_total", node="decode-0", policy="least_load") == NUM_REQUESTS
     assert total(meta, "pdmesh:routed_total", node="prefill-0") == NUM_REQUESTS   # none prefilled locally
@@ -84,9 +98,8 @@ def test_every_service_counts_the_requests_exactly(metrics_mesh, model):
     assert total(meta, "pdmesh:nodes", role="decode", state="up") == 1
     assert total(meta, "pdmesh:meta_leader") == 1
 
-    prefill_stats = engine_stats(mesh.services["prefill-0"].address, "prefill")
     for name in ("prefill-0", "decode-0"):
-        node = scrape(mesh, name)
+        node = sent.scrapes[name]
         assert {dict(ls).get("node") for (n, ls) in node if n.startswith("pdmesh:")} == {name}
         assert total(node, "pdmesh:request_queue_time_seconds_count") == NUM_REQUESTS, name
         assert total(node, "pdmesh:prefix_cache_queries_total") == num_prompt_tokens, name
@@ -95,25 +108,23 @@ def test_every_service_counts_the_requests_exactly(metrics_mesh, model):
         assert blocks == {"used": 0, "quarantined": 0, "free": 512, "total": 512}, name
         assert total(node, "pdmesh:kv_cache_usage_perc") == 0
         assert total(node, "pdmesh:num_requests_running") == total(node, "pdmesh:num_requests_waiting") == 0
-    prefill = scrape(mesh, "prefill-0")
+    prefill = sent.scrapes["prefill-0"]
     assert total(prefill, "pdmesh:kv_transfer_seconds_count") == NUM_REQUESTS
-    assert total(prefill, "pdmesh:kv_transfer_bytes_total", direction="write") == prefill_stats.transfer_bytes_written > 0
+    assert total(prefill, "pdmesh:kv_transfer_bytes_total", direction="write") == \
+        sent.prefill_stats.transfer_bytes_written > 0
     assert 0 < total(prefill, "pdmesh:kv_blocks_cached") <= 512
 
-    store = scrape(mesh, "kv-store")
-    stats = kv_store_stats(mesh.services["kv-store"].address)
+    store, stats = sent.scrapes["kv-store"], sent.store_stats
     assert total(store, "pdmesh:kv_store_blocks_used") == stats.blocks_used > 0   # the prompts' full blocks
     assert (total(store, "pdmesh:kv_store_hits_total"), total(store, "pdmesh:kv_store_misses_total")) == (
         stats.hits, stats.misses)
     assert total(store, "pdmesh:kv_store_blocks_pinned") == 0
 
 
-def test_the_dashboard_uses_only_metrics_the_mesh_exports(metrics_mesh):
-    exported = set()
-    for name in SERVICES:
-        exported |= {n for n, _ in scrape(metrics_mesh, name)}
+def test_the_dashboard_uses_only_metrics_the_mesh_exports(sent):
     # a histogram's series show once observed, a labelled counter once counted: after the
-    # requests above (the test order), every family the dashboard reads has samples
+    # requests `sent` made, every family the dashboard reads has samples
+    exported = set().union(*({n for n, _ in samples} for samples in sent.scrapes.values()))
     used = set().union(*(metric_names(expr) for _, expr in expressions()))
     missing = used - exported
     assert not missing, f"the dashboard reads {sorted(missing)}, which the mesh does not export"

@@ -21,11 +21,12 @@ from common.model.tokenizer import Tokenizer
 from services.gateway.openai_http.chat_template import ChatTemplate
 from services.node.grpc_util import free_port
 from tests.integration.conftest import ENGINE, engine_stats, mixed_prompts
-from tests.integration.test_mesh import assert_no_blocks_in_use, request, stream
+from tests.integration.test_mesh import assert_left_requests_stopped, assert_no_blocks_in_use, request, stream
 
 PROMPTS = mixed_prompts(3, seed=11)
 MAX_TOKENS = [12, 7, 20]
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
+HANG_GUARD_S = 60.0   # only catches a hang: a loaded machine may take many seconds
 
 
 @pytest.fixture(scope="module")
@@ -348,7 +349,7 @@ def _running(mesh) -> int:
     return engine_stats(mesh.services["decode-0"].address, "decode").running
 
 
-def _wait_running(mesh, timeout_s: float = 20.0) -> None:
+def _wait_running(mesh, timeout_s: float = HANG_GUARD_S) -> None:
     deadline = time.monotonic() + timeout_s
     while _running(mesh) == 0:
         assert time.monotonic() < deadline, "the request never ran"
@@ -369,7 +370,7 @@ def test_client_leaving_mid_stream_cancels_its_request(mesh, base_url, key, mode
             return got
 
     assert asyncio.run(leave_after(3)) == 3
-    assert_no_blocks_in_use(mesh)
+    assert_left_requests_stopped(mesh)
 
 
 def test_client_leaving_before_the_answer_cancels_its_request(mesh, base_url, key):
@@ -379,4 +380,4 @@ def test_client_leaving_before_the_answer_cancels_its_request(mesh, base_url, ke
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   + f"Authorization: Bearer {key}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
         _wait_running(mesh)
-    assert_no_blocks_in_use(mesh, timeout_s=5.0)
+    assert_left_requests_stopped(mesh)

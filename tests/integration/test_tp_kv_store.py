@@ -77,18 +77,19 @@ def prefill_stats(mesh) -> dict[str, object]:
 def test_each_rank_stores_and_loads_its_own_heads(mesh, cold_tokens):
     layout = KVLayout.from_proto(members(mesh)["p2a"].kv_layout)
     assert layout.num_kv_heads == 2
+    stats0, read0 = store_stats(mesh), prefill_stats(mesh)
     tokens, usage, _ = generate(mesh, 0)                         # cold everywhere
     assert tokens == cold_tokens[0]
     assert usage.cached_prompt_tokens == 0
-    stats = wait_stored(mesh, 2 * 34)                            # 552 // 16 full blocks, per rank
+    stats = wait_stored(mesh, 2 * 34, since=stats0)              # 552 // 16 full blocks, per rank
     assert stats.num_spaces == 2
     before = prefill_stats(mesh)
-    assert all(s.rank_bytes_read == 0 for s in before.values())
+    assert all(before[n].rank_bytes_read == read0[n].rank_bytes_read for n in before), "a cold prompt reads nothing"
 
     tokens, usage, timing = generate(mesh, 1)                    # the other node reads the prefix
     assert tokens == cold_tokens[1]
     assert usage.cached_prompt_tokens == 512, why_no_read(mesh, timing)
-    assert store_stats(mesh).hits == 2 * 32                      # both ranks' spaces
+    assert store_stats(mesh).hits - stats0.hits == 2 * 32        # both ranks' spaces
     after = prefill_stats(mesh)
     per_rank = 32 * layout.num_layers * 2 * layout.block_bytes   # the worker's 32 blocks, K and V
     loaded = {n: after[n].rank_bytes_read - before[n].rank_bytes_read for n in after}
