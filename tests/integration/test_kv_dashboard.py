@@ -93,23 +93,25 @@ def test_page_lists_every_node(page):
 
 
 def test_used_bar_grows_while_requests_run_then_returns_to_zero(page, mesh):
+    """Long requests (1700 tokens each: far longer than a page refresh, so the page always
+    sees them running) fill the decode bars; cancelled once seen, their blocks come back."""
     wait_for(page, lambda s: len(s) == 3 and decode_used(s) == 0, "idle before")
     rng = random.Random(3)
-    reqs = [request([rng.randrange(1, 1000) for _ in range(300)], max_tokens=200) for _ in range(4)]
-    results = []
-
-    def send():
-        async def all_of_them():
-            return await asyncio.gather(*(stream(mesh.gateway_address, r) for r in reqs))
-        results.extend(asyncio.run(all_of_them()))
-
-    sender = threading.Thread(target=send)
+    reqs = [request([rng.randrange(1, 1000) for _ in range(300)], max_tokens=1700) for _ in range(4)]
+    loop = asyncio.new_event_loop()
+    sender = threading.Thread(target=loop.run_forever, name="dashboard requests")
     sender.start()
+    streams = [asyncio.run_coroutine_threadsafe(stream(mesh.gateway_address, r), loop) for r in reqs]
     try:
         busy = wait_for(page, lambda s: decode_used(s) >= 4 * 19, "used blocks grow while requests run")
+        assert not any(f.done() for f in streams), "the page saw them while they ran"
     finally:
-        sender.join(2 * HANG_GUARD_S)
-    assert len(results) == 4 and all(len(tokens) == 200 for tokens, _, _ in results)
+        for f in streams:
+            f.cancel()
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(HANG_GUARD_S)
+        loop.call_soon_threadsafe(loop.stop)
+        sender.join(HANG_GUARD_S)
+        loop.close()
     assert sum(int(busy[n]["free"]) + int(busy[n]["cached"]) for n in ("decode-0", "decode-1")) < 2 * 512
     after = wait_for(page, lambda s: all(int(s[n]["used"]) == 0 and int(s[n]["quarantined"]) == 0
                                          for n in NODE_IDS), "used back to zero")
