@@ -2,11 +2,15 @@
 requests and the same client (`pdmesh bench serve`: openai backend for vLLM, grpc for
 pdmesh), colocated and 1 prefill + 1 decode.
 
-    python bench/vs_vllm.py [--num-requests 48] [--rates 0.5,1,2,inf] [--vllm-python PATH]
+    python bench/vs_vllm.py [--model smollm2|bench] [--num-requests 48] [--rates 0.5,1,2,inf]
+                            [--dataset JSONL] [--vllm-python PATH]
 
-The bench model (90M fp32 Llama, bench_model.py); ShareGPT-like log-normal lengths
-(prompts median 190 tokens, outputs median 65, every request ignore_eos so the lengths
-match across servers). For each rate the servers take turns, one up at a time (each
+--model smollm2: the real SmolLM2-135M-Instruct (fp32, `pdmesh models pull`; vLLM loads the
+same folder) on real chat requests (bench/datasets/smollm2_chat.jsonl, bench/chat_dataset.py:
+ShareGPT-like lengths, prompts median ~200 tokens, outputs median ~65). --model bench: the
+90M random-weight Llama (bench_model.py) on random token ids of ShareGPT-like log-normal
+lengths (prompts median 190, outputs median 65). Every request ignore_eos, so the lengths
+match across servers. For each rate the servers take turns, one up at a time (each
 started fresh, warmed up, measured, stopped), in an order that rotates from rate to
 rate so no server is always first on a machine whose load drifts.
 
@@ -106,9 +110,19 @@ class VllmServer:
 
 
 def serve_config(args, rate: float, out: Path, **target) -> ServeConfig:
+    data = {"dataset": "jsonl", "dataset_path": args.dataset} if args.dataset else \
+        {"vocab_size": BENCH_MODEL["vocab_size"]}
     return ServeConfig(rates=(rate,), num_prompts=args.num_requests, random_input_len=args.input_len,
-                       random_output_len=args.output_len, vocab_size=BENCH_MODEL["vocab_size"], seed=args.seed,
-                       out=str(out), plot="none", save_detailed=True, **target)
+                       random_output_len=args.output_len, seed=args.seed,
+                       out=str(out), plot="none", save_detailed=True, **data, **target)
+
+
+def bench_model(name: str) -> Path:
+    """The model folder of --model (made or pulled on first use)."""
+    if name == "smollm2":
+        from common.model.catalog import pull_model
+        return pull_model("smollm2-135m-instruct", ROOT / "models")
+    return ensure_bench_model()
 
 
 def measure(server: str, rate: float, args, model: Path, work: Path) -> dict:
@@ -188,6 +202,11 @@ def print_summary(report: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=("smollm2", "bench"), default="smollm2",
+                    help="smollm2: SmolLM2-135M-Instruct on real chat requests; bench: the 90M random Llama")
+    ap.add_argument("--dataset", default=None,
+                    help="a JSONL of requests (services/bench/datasets.py); default with --model smollm2: "
+                         "bench/datasets/smollm2_chat.jsonl, with --model bench: random token ids")
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--rates", default="0.5,1,2,inf", help="requests/s, comma-separated; inf = all at once")
     ap.add_argument("--input-len", type=int, default=190)
@@ -207,7 +226,9 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vs_vllm.json"))
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
-    model = ensure_bench_model()
+    if args.dataset is None and args.model == "smollm2":
+        args.dataset = str(ROOT / "bench" / "datasets" / "smollm2_chat.jsonl")
+    model = bench_model(args.model)
     servers = list(TOPOLOGIES) + ([UNBORROWED] if args.with_unborrowed else [])
     if Path(args.vllm_python).exists():
         servers.insert(0, "vllm")
@@ -216,7 +237,7 @@ def main() -> int:
               f"--vllm-python); measuring pdmesh alone", flush=True)
     work = Path(tempfile.mkdtemp(prefix="pdmesh-vs-vllm-"))
     report = {"command": command_line(["python", "bench/vs_vllm.py", *sys.argv[1:]]), "machine": machine_info(),
-              "model": model.name, "engine": ENGINE, "servers": servers,
+              "model": model.name, "dataset_path": args.dataset or "random", "engine": ENGINE, "servers": servers,
               "prefill_queue_threshold_1p1d": args.prefill_queue_threshold, "pd_cores": args.pd_cores,
               "rates": ["inf" if math.isinf(r) else f"{r:g}" for r in rates],
               "vllm": ({"env": VLLM_ENV, "args": vllm_args(args.vllm_python, model, 0), "port": "a free one each start"}
