@@ -1,9 +1,10 @@
 """The `pdmesh up --demo` client: a few built-in prompts sent through a gateway at once.
 
-A model with a chat template (an instruct model, e.g. SmolLM2 from `pdmesh models pull`)
-gets DEMO_QUESTIONS, questions whose answers a person can check, each rendered with the
-model's chat template and answered greedily up to its end of turn. A model without one
-(the tiny random model) gets plain text prompts, ignore_eos, exactly max_tokens tokens.
+An instruct model with a chat template (e.g. SmolLM2 from `pdmesh models pull`) gets
+DEMO_QUESTIONS, questions whose answers a person can check, each rendered with the
+model's chat template and answered greedily up to its end of turn (or max_tokens). The
+tiny random model (chat=False), or a model without a template, gets plain text prompts,
+ignore_eos, exactly max_tokens tokens.
 Each request's text is printed when its stream ends (in completion order), with its TTFT
 and tokens/s; then one line for the whole batch. With the gateway's HTTP API on, one chat
 request over HTTP follows (its answer may end early, at the model's eos).
@@ -26,7 +27,6 @@ DEMO_QUESTIONS = [   # SmolLM2-135M-Instruct answers each correctly, greedy
     "Name the three primary colors.",
     "What is 2 + 2?",
 ]
-CHAT_MAX_TOKENS = 96    # an instruct model's answer ends at its end of turn, well before this
 
 
 @dataclass(frozen=True)
@@ -36,10 +36,11 @@ class DemoPrompt:
     chat: bool
 
 
-def demo_prompts(model: str | None, prompts: list[str] | None = None) -> list[DemoPrompt]:
-    """The demo's requests for `model` (a folder or .gguf; None: plain prompts)."""
+def demo_prompts(model: str | None, prompts: list[str] | None = None, chat: bool = True) -> list[DemoPrompt]:
+    """The demo's requests for `model` (a folder or .gguf; None: plain prompts): chat
+    questions when chat and the model has a chat template."""
     template = None
-    if model is not None:
+    if model is not None and chat:
         from services.gateway.openai_http.chat_template import ChatTemplate
         template = ChatTemplate.from_dir(model)
     if template is None:
@@ -49,8 +50,7 @@ def demo_prompts(model: str | None, prompts: list[str] | None = None) -> list[De
 
 
 async def _one(channel, index: int, item: DemoPrompt, max_tokens: int) -> StreamResult | None:
-    sampling = {"max_tokens": max(max_tokens, CHAT_MAX_TOKENS)} if item.chat else \
-        {"max_tokens": max_tokens, "ignore_eos": True}
+    sampling = {"max_tokens": max_tokens} if item.chat else {"max_tokens": max_tokens, "ignore_eos": True}
     try:
         result = await stream_generate(channel, item.prompt, temperature=0.0, request_id=f"demo-{index}",
                                        **sampling)
@@ -103,11 +103,12 @@ def http_chat(http_address: str, api_key: str | None, max_tokens: int,
     return 0
 
 
-def run_demo(address: str, prompts: list[str] | None = None, max_tokens: int = 48,
-             api_key: str | None = None, tls=None, http_address: str = "", model: str | None = None) -> int:
-    """The gRPC demo (questions in the chat template of `model` when it has one), then
-    (http_address: the gateway's HTTP API, "" = none) one chat request over HTTP."""
-    code = asyncio.run(demo(address, demo_prompts(model, prompts), max_tokens, api_key, tls))
+def run_demo(address: str, prompts: list[str] | None = None, max_tokens: int = 64,
+             api_key: str | None = None, tls=None, http_address: str = "", model: str | None = None,
+             chat: bool = True) -> int:
+    """The gRPC demo (chat: questions in the chat template of `model` when it has one),
+    then (http_address: the gateway's HTTP API, "" = none) one chat request over HTTP."""
+    code = asyncio.run(demo(address, demo_prompts(model, prompts, chat), max_tokens, api_key, tls))
     if http_address and tls is None:
-        code |= http_chat(http_address, api_key, max(max_tokens, CHAT_MAX_TOKENS))
+        code |= http_chat(http_address, api_key, max_tokens)
     return code

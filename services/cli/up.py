@@ -59,7 +59,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default="", help="one log file per service (default: a new temp dir)")
     p.add_argument("--demo", action="store_true",
                    help="send a few prompts through the gateway, print timings, shut down")
-    p.add_argument("--max-tokens", type=int, default=48, help="--demo: tokens per request")
+    p.add_argument("--max-tokens", type=int, default=64,
+                   help="--demo: tokens per request (an instruct model's answer may end before)")
     p.add_argument("--start-timeout", type=float, default=120.0, help="seconds per service")
     p.add_argument("--no-core-plan", action="store_true",
                    help="leave every service on every core with torch's default threads (a host shared "
@@ -280,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
                 print("(the tiny model has random weights: its text is gibberish)", flush=True)
             code = run_demo(address, max_tokens=args.max_tokens, api_key=mesh.api_key(),
                             tls=mesh.client_tls(cert_name=None), http_address=mesh.http_address,
-                            model=mesh_cfg.model)
+                            model=mesh_cfg.model, chat=not mesh_cfg.tiny_arch)
         else:
             code = _supervise(mesh, args.start_timeout)
     except KeyboardInterrupt:
