@@ -18,6 +18,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -32,6 +33,18 @@ def logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> dict[int, float]:
         raise ValueError(f"TokenLogprobs has {len(msg.token_ids)} token_ids and {len(msg.logprobs)} "
                          "logprobs; they must be as many, at least one")
     return dict(zip(msg.token_ids, msg.logprobs))
+
+
+def prompt_logprobs_to_proto(entries: list[dict[int, float] | None]) -> list[common_pb2.TokenLogprobs]:
+    """The engine's prompt logprobs (None at position 0, then one entry a position) as the
+    wire's list: entry i is prompt position i + 1."""
+    return [logprobs_to_proto(entry) for entry in entries[1:]]
+
+
+def prompt_logprobs_from_proto(msgs) -> list[dict[int, float] | None]:
+    """Inverse of prompt_logprobs_to_proto (None put back at position 0); ValueError as
+    logprobs_from_proto."""
+    return [None, *(logprobs_from_proto(m) for m in msgs)]
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> common_pb2.Usage:

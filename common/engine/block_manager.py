@@ -11,7 +11,9 @@ Free-queue order:
     back:  tail first, so its prefix outlives its tail
 
 Hashes are registered only once a full block's KV has been computed (`cache_full_blocks`),
-so a prefix hit never reads a block that is still being written.
+so a prefix hit never reads a block that is still being written. A sequence that wants its
+prompt's logits (prompt_logprobs: Sequence.wants_prompt_logits) gets no hit, as in vLLM;
+its computed blocks are registered like any other's.
 
 The new blocks of one allocation back the sequence in ascending id order, so a KV push of
 them (common/transfer/kv_writes.py) needs one write per run of consecutive ids.
@@ -69,8 +71,9 @@ class BlockManager:
     # ---- prefix lookup -------------------------------------------------------------
     def _prefix_hits(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
         """Cached block ids and hashes for the longest computed prefix of seq, leaving at
-        least one token to compute (its logits are needed)."""
-        if not self.enable_prefix_caching:
+        least one token to compute (its logits are needed). None for a sequence that wants
+        its prompt's logits (Sequence.wants_prompt_logits): a hit would skip positions."""
+        if not self.enable_prefix_caching or seq.wants_prompt_logits:
             return [], []
         bs, ids, hashes, parent = self.block_size, [], [], None
         for i in range((len(seq.token_ids) - 1) // bs):

@@ -4,6 +4,8 @@
     llm = LLM("path/to/hf_model", max_num_seqs=16)
     outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8))
     outs[0].outputs[0].text, .token_ids, .finish_reason
+    outs[0].prompt_logprobs                # SamplingParams(prompt_logprobs=k): per position
+    llm.prompt_logprobs_full([5, 6, 7])    # float32 [2, vocab]: the full log-distributions
 
 Every prompt and its parameters are validated before anything is scheduled; a bad one
 raises ValueError naming the field, and the engine keeps no trace of the call.
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import itertools
 from typing import Any, Union
+
+import torch
 
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
@@ -36,6 +40,7 @@ class _Tracker:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class LLM:
@@ -106,6 +111,8 @@ class LLM:
     def _record(self, t: _Tracker, out) -> None:
         t.token_ids.extend(out.new_token_ids)
         t.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            t.prompt_logprobs = out.prompt_logprobs
         if t.logprobs is not None and out.new_logprobs:
             t.logprobs.extend(out.new_logprobs)
         if t.detok is not None:
@@ -127,4 +134,32 @@ class LLM:
         else:
             text = t.text if t.matcher.stopped_by else t.text + t.matcher.feed(t.detok.flush())[0] + t.matcher.flush()
         completion = CompletionOutput(0, text, t.token_ids, t.finish_reason, t.logprobs, t.stop_reason)
-        return RequestOutput(t.request_id, t.prompt, t.prompt_ids, [completion], t.num_cached_tokens)
+        return RequestOutput(t.request_id, t.prompt, t.prompt_ids, [completion], t.num_cached_tokens,
+                             prompt_logprobs=t.prompt_logprobs)
+
+    def prompt_logprobs_full(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced full distributions of a prompt: float32 log-softmax rows
+        [len(token_ids) - 1, vocab] on the CPU, row i predicting token i + 1, through the
+        engine's own path (a prompt sink: computed in full, no prefix hit, in chunks and
+        slices as any prompt). One token is sampled (greedy) and dropped, so
+        len(token_ids) + 1 must fit max_model_len. ValueError naming the field for a bad
+        prompt."""
+        ids = list(token_ids)
+        vocab = self.engine.vocab_size
+        rid = f"offline-{next(self._ids)}"
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        self.engine.validate_request(rid, ids, params)
+        rows = torch.empty(max(len(ids) - 1, 0), vocab, dtype=torch.float32)
+
+        def sink(start: int, logp: torch.Tensor) -> None:
+            rows[start:start + logp.shape[0]] = logp[:, :vocab].to("cpu", torch.float32)
+
+        self.engine.add_request(rid, ids, params, prompt_sink=sink)
+        finished = False
+        try:
+            while not finished and self.engine.has_unfinished():
+                finished = any(out.finished for out in self.engine.step() if out.request_id == rid)
+        finally:
+            if not finished:
+                self.engine.abort(rid)
+        return rows

@@ -22,6 +22,10 @@ The narrow interface services drive it through:
   well, admission parks it in KV_REMOTE while the kv-store fills leading blocks;
   commit_loaded(n) makes it compute the prompt from token n on.
 - abort(request_id, writer_settled=False) while a remote fill is unconfirmed quarantines.
+- prompt logits: params.prompt_logprobs and/or add_request(prompt_sink=fn): the prompt is
+  computed here in full (no prefix hit; kv_remote refused), each step's score rows go
+  through `_prompt_logits` (log-softmax once, then the per-position entries and the
+  sink), and the first StepOutput carries `prompt_logprobs` (list, None at position 0).
 
 Not thread-safe: one thread at a time calls into it (AsyncEngine owns that). One
 exception: `forward_window()` (a context manager, nullcontext by default) is entered
@@ -75,6 +79,9 @@ class StepOutput:
     num_cached_tokens: int
     new_logprobs: list[dict[int, float]] | None = None
     queue_s: float = 0.0                 # arrival to first admission
+    # on the first output of a request with prompt_logprobs: one entry per prompt position,
+    # None at 0, then {actual token: logprob, top tokens...}
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -149,6 +156,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, tp=self.tp)
+        self.runner.on_prompt_logits = self._prompt_logits
         self.generator = torch.Generator().manual_seed(config.seed)
         self.tokenizer = self._load_tokenizer(config.model)
         self.eos_token_ids = set(mcfg.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
@@ -191,15 +199,24 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, kv_remote: bool = False, hold_blocks: bool = False,
                     on_computed: Callable[[Sequence, int, int], None] | None = None,
-                    resume_position: int = 0) -> Sequence:
+                    resume_position: int = 0,
+                    prompt_sink: Callable[[int, torch.Tensor], None] | None = None) -> Sequence:
         """resume_position: the request resumes there (migrated): the prompt ends with
         that many output tokens already streamed, and sampling continues at that output
-        position (0 <= resume_position < len(prompt_token_ids), ValueError otherwise)."""
+        position (0 <= resume_position < len(prompt_token_ids), ValueError otherwise).
+        prompt_sink(p, rows): called on the step thread with the float32 log-softmax
+        rows [k, vocab] (on the engine's device; valid during the call only) of prompt
+        positions p .. p+k-1 (row j predicts token p+j+1) as
+        they are computed, until the first token; after a preemption before it, the same
+        positions come again (overwrite). With it or prompt_logprobs, kv_remote must be
+        False (ValueError: the prompt is computed here)."""
         self.validate_request(request_id, prompt_token_ids, params)
         validate_resume_position(resume_position, len(prompt_token_ids))
+        if kv_remote and (params.prompt_logprobs is not None or prompt_sink is not None):
+            raise ValueError("prompt_logprobs needs the prompt computed on this node: kv_remote must be False")
         seq = Sequence(request_id, list(prompt_token_ids), params, self._arrivals,
                        kv_remote=kv_remote, hold_blocks=hold_blocks, on_computed=on_computed,
-                       resume_position=resume_position)
+                       resume_position=resume_position, prompt_sink=prompt_sink)
         self._arrivals += 1
         self._requests[request_id] = seq
         if kv_remote and self.borrowed_cores is not None:
@@ -339,8 +356,33 @@ class LLMEngine:
         if seq.on_computed is not None:
             seq.on_computed(seq, start, start + n)
 
+    def _prompt_logits(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
+        """The runner's on_prompt_logits (step thread): float32 logits of prompt positions
+        [start, start + k): log-softmax once, then prompt_logprobs[p + 1] = {actual token,
+        top prompt_logprobs} (overwritten by a recompute) and the sink."""
+        logp = logits.log_softmax(dim=-1)
+        k = seq.params.prompt_logprobs
+        if k is not None:
+            n = logp.shape[0]
+            targets = seq.token_ids[start + 1:start + 1 + n]
+            actual = logp.gather(1, torch.tensor(targets, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
+            top_ids = top_values = None
+            if k:
+                top_values, top_ids = (t.tolist() for t in logp.topk(k, dim=-1))
+            for j, (token, value) in enumerate(zip(targets, actual)):
+                entry = {token: value}
+                if k:
+                    entry.update(zip(top_ids[j], top_values[j]))
+                seq.prompt_logprobs[start + 1 + j] = entry
+        if seq.prompt_sink is not None:
+            seq.prompt_sink(start, logp)
+
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
-        """Add a sampled token to seq, finish it when it stops, emit its StepOutput."""
+        """Add a sampled token to seq, finish it when it stops, emit its StepOutput (the
+        first one of a prompt_logprobs request carries them: handed over, not kept)."""
+        prompt_logprobs = None
+        if seq.num_output_tokens == 0 and seq.prompt_logprobs is not None:
+            prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
         seq.token_ids.append(token)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
@@ -357,7 +399,8 @@ class LLMEngine:
         queue_s = (seq.first_scheduled_time or seq.arrival_time) - seq.arrival_time
         self._outputs.append(StepOutput(seq.request_id, [token], reason is not None, reason,
                                         seq.num_prompt_tokens, max(seq.num_cached_tokens, 0),
-                                        [logprobs] if logprobs is not None else None, queue_s))
+                                        [logprobs] if logprobs is not None else None, queue_s,
+                                        prompt_logprobs))
 
     # ---- introspection ------------------------------------------------------------
     @property

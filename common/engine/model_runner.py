@@ -6,6 +6,19 @@ Token packing of a step:
       one token per decode   consecutive tokens of each prefill chunk
 A prefill chunk samples only when it reaches the end of its sequence's tokens.
 
+Score rows (a sequence that wants its prompt's logits: Sequence.wants_prompt_logits): the
+prompt positions of its chunk but the last prompt token, whose logits predict the next
+prompt token:
+
+    chunk of s: positions [begin, end) at packed rows r .. r + (end - begin) - 1
+    scored:     positions [begin, min(end, num_prompt_tokens - 1))   (row of p: r + p - begin)
+    position p's row predicts token p + 1
+
+Their logits are computed after the sample rows, SCORE_SLICE_ROWS rows at a time (a
+2048-token chunk never holds [2048, vocab] at once), and each slice goes, cut at
+sequence boundaries, to `on_prompt_logits(seq, first position, float32 logits [k, vocab])`
+on rank 0 before the next slice is computed.
+
 Layer hooks: a prefill sequence whose `on_computed` has an `on_layer` attribute gets
 `on_computed.on_layer(seq, layer, start, end)` on the step thread inside the forward pass,
 right after layer `layer` wrote the KV of its chunk's tokens [start, end) (in layer order,
@@ -15,10 +28,14 @@ first waits for the kernels queued so far, so the callee may read those bytes at
 A step is planned as ints (`plan` -> StepInputs), then made tensors (`tensors`) and run
 (`forward`). At tensor parallelism rank 0 plans, the executor sends the StepInputs to
 the other ranks, and each rank's runner runs `forward` on its shard
-(common/parallel/); layer hooks run on rank 0 only.
+(common/parallel/); layer hooks run on rank 0 only. The logits of each slice (sample
+rows, then each slice of score rows) are one collective (the vocab-parallel head's
+gather), so every rank computes the same rows in the same slices: the score rows travel
+in the StepInputs.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -45,6 +62,20 @@ def load_rank(mcfg, backend, dtype: torch.dtype, device: torch.device, model_dir
     return model, kv_cache
 
 
+SCORE_SLICE_ROWS = 256    # score rows whose logits are computed at once
+
+
+@dataclass(frozen=True)
+class ScoreSpan:
+    """Consecutive score rows of one sequence: positions [start, start + num_rows), at
+    offset `offset` of the step's score rows."""
+
+    seq: Sequence
+    start: int
+    num_rows: int
+    offset: int
+
+
 def _padded(tables: list[list[int]]) -> list[list[int]]:
     width = max(len(t) for t in tables)
     return [t + [0] * (width - len(t)) for t in tables]
@@ -61,14 +92,18 @@ class ModelRunner:
         self.block_size = block_size
         self.device = kv_cache.device
         self.tp = tp
+        # rank 0: (seq, first position, float32 logits [k, vocab]) of score rows; None: not kept
+        self.on_prompt_logits: Callable[[Sequence, int, torch.Tensor], None] | None = None
 
-    def plan(self, sched: SchedulerOutput) -> tuple[StepInputs, list[Sequence]]:
-        """The step's inputs as ints (what every rank needs) and its sampling sequences."""
+    def plan(self, sched: SchedulerOutput) -> tuple[StepInputs, list[Sequence], list[ScoreSpan]]:
+        """The step's inputs as ints (what every rank needs), its sampling sequences and
+        its score spans (in the order of inputs.score_rows)."""
         bs = self.block_size
         inputs = StepInputs()
         input_ids, positions, slots = inputs.input_ids, inputs.positions, inputs.slots
         sample_rows = inputs.sample_rows
         sample_seqs: list[Sequence] = []
+        spans: list[ScoreSpan] = []
         if sched.decode_seqs:
             lens = inputs.decode_lens = [len(s) for s in sched.decode_seqs]
             for i, s in enumerate(sched.decode_seqs):
@@ -88,11 +123,16 @@ class ModelRunner:
                 slots.extend(table[p // bs] * bs + p % bs for p in range(begin, end))
                 inputs.query_lens.append(n)
                 inputs.kv_lens.append(end)
+                scored_end = min(end, s.num_prompt_tokens - 1)
+                if s.wants_prompt_logits and scored_end > begin:
+                    first_row = len(input_ids) - n
+                    spans.append(ScoreSpan(s, begin, scored_end - begin, len(inputs.score_rows)))
+                    inputs.score_rows.extend(range(first_row, first_row + scored_end - begin))
                 if end == len(s):
                     sample_rows.append(len(input_ids) - 1)
                     sample_seqs.append(s)
             inputs.prefill_tables = _padded([s.block_ids for s in sched.prefill_seqs])
-        return inputs, sample_seqs
+        return inputs, sample_seqs, spans
 
     def tensors(self, inputs: StepInputs) -> tuple[torch.Tensor, StepBatch]:
         """(input_ids, batch) on this runner's device."""
@@ -120,7 +160,7 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, StepBatch, list[int], list[Sequence]]:
         """(input_ids, batch, logits row indices, sampling sequences) for a step."""
-        inputs, seqs = self.plan(sched)
+        inputs, seqs, _ = self.plan(sched)
         ids, batch = self.tensors(inputs)
         return ids, batch, inputs.sample_rows, seqs
 
@@ -130,30 +170,57 @@ class ModelRunner:
         """Run the step; returns float32 logits [len(sample_seqs), vocab] (None if no
         sequence samples this step) and the sequences they belong to. between_layers(i):
         called on this thread after layer i's attention (after the sequences' layer
-        hooks), and with i = the number of layers before the logits. At tensor
-        parallelism, RuntimeError when another rank failed (and every later step too)."""
-        inputs, seqs = self.plan(sched)
+        hooks), and with i = the number of layers before the logits. Score rows go to
+        on_prompt_logits, slice by slice, before this returns. At tensor parallelism,
+        RuntimeError when another rank failed (and every later step too)."""
+        inputs, seqs, spans = self.plan(sched)
+        on_scores = self._score_router(spans)
         if self.tp is None:
-            return self.forward(inputs, self._layer_hook(sched, between_layers), between_layers), seqs
+            return self.forward(inputs, self._layer_hook(sched, between_layers), between_layers, on_scores), seqs
         with self.tp.step(inputs):
-            return self.forward(inputs, self._layer_hook(sched, between_layers), between_layers), seqs
+            return self.forward(inputs, self._layer_hook(sched, between_layers), between_layers, on_scores), seqs
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, on_layer: Callable[[int], None] | None = None,
-                before_logits: Callable[[int], None] | None = None) -> torch.Tensor | None:
+                before_logits: Callable[[int], None] | None = None,
+                on_scores: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor | None:
         """The forward pass of a step's inputs on this rank: logits of the sample rows
         (None when none samples, and on ranks other than 0). before_logits(num_layers):
-        called after the last layer."""
+        called after the last layer. The score rows' logits, SCORE_SLICE_ROWS at a time
+        on every rank: on_scores(offset into score_rows, float32 logits [k, vocab]) on
+        rank 0 (each slice is dropped once it returns)."""
         input_ids, batch = self.tensors(inputs)
         hidden = self.model(input_ids, batch, self.kv_cache, on_layer)
         if before_logits is not None:
             before_logits(len(self.model.layers))
         rows = inputs.sample_rows
-        if not rows:
+        logits = None
+        if rows:
+            picked = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=self.device)]
+            logits = self.model.logits(picked)
+        scored = inputs.score_rows
+        for offset in range(0, len(scored), SCORE_SLICE_ROWS):
+            part = torch.tensor(scored[offset:offset + SCORE_SLICE_ROWS], device=self.device)
+            part_logits = self.model.logits(hidden[part])
+            if part_logits is not None and on_scores is not None:
+                on_scores(offset, part_logits)
+        return logits
+
+    def _score_router(self, spans: list[ScoreSpan]) -> Callable[[int, torch.Tensor], None] | None:
+        """forward's on_scores for these spans: each slice cut at sequence boundaries and
+        handed to on_prompt_logits; None when there is nothing to score or nobody to tell."""
+        if not spans or self.on_prompt_logits is None:
             return None
-        if len(rows) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(rows, device=self.device)]
-        return self.model.logits(hidden)
+        sink = self.on_prompt_logits
+
+        def on_scores(offset: int, logits: torch.Tensor) -> None:
+            end = offset + logits.shape[0]
+            for span in spans:
+                lo, hi = max(offset, span.offset), min(end, span.offset + span.num_rows)
+                if lo < hi:
+                    sink(span.seq, span.start + lo - span.offset, logits[lo - offset:hi - offset])
+
+        return on_scores
 
     def _layer_hook(self, sched: SchedulerOutput, between_layers: Callable[[int], None] | None = None
                     ) -> Callable[[int], None] | None:

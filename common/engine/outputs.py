@@ -22,3 +22,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished: bool = True
+    # SamplingParams.prompt_logprobs set: None at position 0, then per prompt position
+    # {actual token: logprob, top tokens...} (vLLM's shape)
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -2,6 +2,12 @@
 
 `validate` raises ValueError naming the field and its allowed range; the engine calls it
 before anything is scheduled.
+
+logprobs: every generated token carries its log-probability and the top `logprobs`.
+prompt_logprobs (vLLM's meaning): every prompt position after the first carries the
+log-probability of the actual prompt token there and the top `prompt_logprobs` (the
+model's distribution at the position before, no temperature); such a request's prompt is
+computed in full (no prefix-cache hit, no remote prefill), so every position has logits.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -37,10 +44,14 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**64):
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if vocab_size is not None and self.logprobs is not None and self.logprobs >= vocab_size:
-            raise ValueError(f"logprobs must be below the vocabulary size ({vocab_size}), got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+            if vocab_size is not None and value >= vocab_size:
+                raise ValueError(f"{name} must be below the vocabulary size ({vocab_size}), got {value}")
         if vocab_size is not None:
             for i, t in enumerate(self.stop_token_ids):
                 if not 0 <= t < vocab_size:

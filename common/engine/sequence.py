@@ -6,15 +6,26 @@ their KV in the cache; the rest are computed by upcoming steps. A resumed reques
 migrated from another node) has `resume_position` output tokens already at the end of
 its prompt: its next token is sampled as output position resume_position +
 num_output_tokens (the seeded sampler's position, common/engine/sampler.py).
+
+Prompt logits (`wants_prompt_logits`: params.prompt_logprobs set, or a `prompt_sink`):
+until its first token is emitted, every step that computes prompt positions p (all but
+the last prompt token) hands their log-softmax rows to the engine, which fills
+`prompt_logprobs[p + 1]` and calls `prompt_sink(p, rows)`; the prefix cache gives such a
+sequence no hit (common/engine/block_manager.py), so every position is computed here. A
+recompute after a preemption before the first token writes the same positions again
+(overwrites by position; a sink must too); after the first token nothing is recorded.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from common.engine.lifecycle import RequestState
 from common.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(eq=False)
@@ -38,9 +49,15 @@ class Sequence:
     kv_remote: bool = False              # the next admission waits in KV_REMOTE for its KV
     hold_blocks: bool = False            # finishing goes to HELD (blocks kept until released)
     on_computed: Callable[["Sequence", int, int], None] | None = None  # (seq, start, end)
+    # (first position p, float32 log-softmax rows [k, vocab]: row j predicts token p + j + 1)
+    prompt_sink: Callable[[int, "torch.Tensor"], None] | None = None
+    # params.prompt_logprobs set: one entry per prompt position, None at 0 (filled as computed)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * self.num_prompt_tokens
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -58,6 +75,13 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """The prompt's positions need their logits (prompt_logprobs or a prompt_sink) and
+        the first token is not out yet."""
+        return ((self.params.prompt_logprobs is not None or self.prompt_sink is not None)
+                and self.num_output_tokens == 0)
 
     @property
     def is_prefilling(self) -> bool:

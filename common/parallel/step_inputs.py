@@ -5,9 +5,14 @@ Wire form (int64; tables are padded to their width with block 0, as the runner p
 
     header (HEADER_LEN)                     payload
     [op n_tok n_dec w_dec n_pre w_pre n_smp len] [ids | pos | slots | dec_lens | dec_tables
-                                                   | q_lens | kv_lens | pre_tables | sample_rows]
+                                                   | q_lens | kv_lens | pre_tables | sample_rows
+                                                   | score_rows]
                                                    n_tok  n_tok n_tok  n_dec    n_dec*w_dec
                                                    n_pre  n_pre  n_pre*w_pre  n_smp
+                                                   len - (all of the above)
+
+score_rows (prompt positions whose logits a request wants: prompt_logprobs) are the
+payload's tail, their count what `len` leaves after the parts the header sizes.
 
 Between steps rank 0 may send a GatherKV instead (header [OP_GATHER_KV 0 0 0 0 0 0 len],
 payload: block ids). A step is one broadcast of a fixed INLINE_LEN buffer (header + payload) when it fits;
@@ -39,6 +44,7 @@ class StepInputs:
     kv_lens: list[int] = field(default_factory=list)
     prefill_tables: list[list[int]] = field(default_factory=list)   # padded rows
     sample_rows: list[int] = field(default_factory=list)
+    score_rows: list[int] = field(default_factory=list)     # rows of prompt positions to score
 
 
 def _flat(rows: list[list[int]]) -> tuple[int, list[int]]:
@@ -55,7 +61,7 @@ def pack(inputs: StepInputs) -> torch.Tensor:
     w_dec, dec = _flat(inputs.decode_tables)
     w_pre, pre = _flat(inputs.prefill_tables)
     payload = (inputs.input_ids + inputs.positions + inputs.slots + inputs.decode_lens + dec
-               + inputs.query_lens + inputs.kv_lens + pre + inputs.sample_rows)
+               + inputs.query_lens + inputs.kv_lens + pre + inputs.sample_rows + inputs.score_rows)
     header = [OP_STEP, len(inputs.input_ids), len(inputs.decode_lens), w_dec,
               len(inputs.query_lens), w_pre, len(inputs.sample_rows), len(payload)]
     return _wire(header + payload)
@@ -114,4 +120,4 @@ def unpack(header_and_inline: torch.Tensor, payload: torch.Tensor | None = None)
         at += size
     ids, pos, slots, dec_lens, dec, q_lens, kv_lens, pre, rows = parts
     return StepInputs(ids, pos, slots, dec_lens, _rows(dec, n_dec, w_dec), q_lens, kv_lens,
-                      _rows(pre, n_pre, w_pre), rows)
+                      _rows(pre, n_pre, w_pre), rows, values[at:])

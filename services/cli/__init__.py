@@ -25,6 +25,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "services.cli.secrets",
     "services.cli.bench",
     "services.cli.models",
+    "services.cli.eval",
 )
 
 

@@ -5,7 +5,9 @@ Lifecycle of a Generate RPC here (the request's states: common/engine/lifecycle.
   -> admitted: blocks allocated for the prompt (local prefix hits first)
   -> prefill: by the routed prefill node (it writes our blocks, returns the first token;
      a full one passes to the route's fallbacks), or locally when none is given or the
-     prefill fails (services/decode/remote_prefill.py); the call's deadline bounds it
+     prefill fails (services/decode/remote_prefill.py); the call's deadline bounds it.
+     A request with sampling.prompt_logprobs is always prefilled here (every prompt
+     position needs its logits): its first message carries them
   -> continuous-batching decode; one message per new token; the last carries
      finish_reason and usage
 The engine dies (its step loop raised): every request in flight fails UNAVAILABLE, so
@@ -25,7 +27,7 @@ from common.timeline import mark
 from common.engine.async_engine import EngineDeadError
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from common.engine.validation import validate_resume_position
-from services.convert import logprobs_to_proto, sampling_from_proto, usage
+from services.convert import logprobs_to_proto, prompt_logprobs_to_proto, sampling_from_proto, usage
 from services.decode.remote_prefill import RemotePrefill
 from services.node.engine_node import EngineNode
 
@@ -53,7 +55,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         remaining = context.time_remaining()
         deadline = time.monotonic() + (remaining if remaining is not None else self.node.mesh.timeouts.request_s)
         remote = None
-        if request.HasField("prefill") and request.prefill.address:
+        if request.HasField("prefill") and request.prefill.address and params.prompt_logprobs is None:
             remote = RemotePrefill(self.node, request, deadline)
         num_out = 0
         start = time.perf_counter()
@@ -63,6 +65,8 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
                 reply = engine_pb2.DecodeResponse(token_ids=out.new_token_ids)
                 if out.new_logprobs:
                     reply.logprobs.extend(logprobs_to_proto(lp) for lp in out.new_logprobs)
+                if out.prompt_logprobs is not None:
+                    reply.prompt_logprobs.extend(prompt_logprobs_to_proto(out.prompt_logprobs))
                 if num_out == 0:
                     mark("decode.first_out", rid)
                     reply.prefill_timing.CopyFrom(self._timing(remote, out, time.perf_counter() - start))

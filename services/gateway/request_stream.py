@@ -12,7 +12,8 @@ Lifecycle (one RequestStream per client call; `replies()` yields GenerateRespons
       answering SERVING to a health probe (stopped, or its step hung) ->
       migrate: exclude it, next attempt with prompt = the original prompt + every token
       the client has, max_tokens = what remains, resume_position = tokens so far (so a
-      seeded request draws what it would have), and what remains of the deadline; at
+      seeded request draws what it would have), prompt_logprobs off (the client has them:
+      they come once, on the first message), and what remains of the deadline; at
       most gateway.max_migrations. The client's stream has no seam: detokenizer and stop
       strings live here and carry on; usage counts the original prompt and every token.
   anything else -> PublicError with the status (UNAVAILABLE for unknown ones) and a plain
@@ -148,6 +149,8 @@ class RequestStream:
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(self.request.sampling)
         sampling.max_tokens = self.params.max_tokens - len(self.tokens)
+        if self.tokens:
+            sampling.ClearField("prompt_logprobs")   # sent with the first message already
         out = engine_pb2.DecodeRequest(
             request_id=uuid.uuid4().hex,  # the mesh's id of this attempt
             prompt_token_ids=self.prompt_ids + self.tokens, sampling=sampling,
@@ -215,6 +218,7 @@ class RequestStream:
         reply = gateway_pb2.GenerateResponse(token_ids=msg.token_ids, logprobs=msg.logprobs)
         if first:
             reply.prefill_timing.CopyFrom(msg.prefill_timing)
+            reply.prompt_logprobs.extend(msg.prompt_logprobs)
         self.tokens.extend(msg.token_ids)
         if stopped:
             reply.text, reply.finish_reason = text, "stop"

@@ -19,10 +19,11 @@ def test_public_messages_have_the_documented_fields():
     assert {"request_id", "sampling"} <= set(req.fields_by_name)
     sampling = common_pb2.SamplingParams.DESCRIPTOR.fields_by_name
     assert list(sampling) == ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                              "stop_token_ids", "ignore_eos", "logprobs"]
+                              "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs"]
     assert sampling["seed"].has_presence and sampling["logprobs"].has_presence
+    assert sampling["prompt_logprobs"].has_presence
     resp = gateway_pb2.GenerateResponse.DESCRIPTOR.fields_by_name
-    assert {"token_ids", "text", "finish_reason", "usage", "logprobs"} <= set(resp)
+    assert {"token_ids", "text", "finish_reason", "usage", "logprobs", "prompt_logprobs"} <= set(resp)
     assert list(common_pb2.TokenLogprobs.DESCRIPTOR.fields_by_name) == ["token_ids", "logprobs"]
     usage = common_pb2.Usage.DESCRIPTOR.fields_by_name
     assert list(usage) == ["prompt_tokens", "completion_tokens", "cached_prompt_tokens"]

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pdmesh.v1 import common_pb2 as pdmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdmesh/v1/engine.proto\x12\tpdmesh.v1\x1a\x16pdmesh/v1/common.proto\"\xf4\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12$\n\x07prefill\x18\x04 \x01(\x0b\x32\x13.pdmesh.v1.NodeInfo\x12\x19\n\x11\x63lient_request_id\x18\x05 \x01(\t\x12.\n\x11prefill_fallbacks\x18\x06 \x03(\x0b\x32\x13.pdmesh.v1.NodeInfo\x12\x17\n\x0fresume_position\x18\x07 \x01(\r\"\xb9\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.pdmesh.v1.Usage\x12\x30\n\x0eprefill_timing\x18\x04 \x01(\x0b\x32\x18.pdmesh.v1.PrefillTiming\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.pdmesh.v1.TokenLogprobs\"\x8e\x01\n\rKVDestination\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x02 \x01(\t\x12#\n\x06layout\x18\x03 \x01(\x0b\x32\x13.pdmesh.v1.KVLayout\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\"\xb3\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12-\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x18.pdmesh.v1.KVDestination\x12\x17\n\x0fresume_position\x18\x05 \x01(\r\"\xbd\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.pdmesh.v1.PrefillTiming\x12\x15\n\rbytes_written\x18\x04 \x01(\x03\x12\x36\n\x14\x66irst_token_logprobs\x18\x05 \x01(\x0b\x32\x18.pdmesh.v1.TokenLogprobs\"*\n\x14\x43\x61ncelPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"=\n\x15\x43\x61ncelPrefillResponse\x12\x13\n\x0bwas_running\x18\x01 \x01(\x08\x12\x0f\n\x07settled\x18\x02 \x01(\x08\"\x14\n\x12\x45ngineStatsRequest\"\xb1\x03\n\x0b\x45ngineStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x13\n\x0bused_blocks\x18\x04 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x06 \x01(\x05\x12\x19\n\x11pending_transfers\x18\x07 \x01(\x05\x12\x19\n\x11prefix_hit_tokens\x18\x08 \x01(\x03\x12\x13\n\x0bpreemptions\x18\t \x01(\x03\x12\x1a\n\x12quarantined_blocks\x18\n \x01(\x05\x12\x11\n\tkv_remote\x18\x0b \x01(\x05\x12\x1e\n\x16transfer_bytes_written\x18\x0c \x01(\x03\x12\x1b\n\x13transfer_bytes_read\x18\r \x01(\x03\x12\x0c\n\x04held\x18\x0e \x01(\x05\x12\x1a\n\x12rank_bytes_written\x18\x0f \x01(\x03\x12\x18\n\x10kv_blocks_staged\x18\x10 \x01(\x03\x12\x17\n\x0frank_bytes_read\x18\x11 \x01(\x03\x12\x1b\n\x13\x62orrowed_core_steps\x18\x12 \x01(\x03\x32\x94\x01\n\x06\x44\x65\x63ode\x12\x41\n\x08Generate\x12\x18.pdmesh.v1.DecodeRequest\x1a\x19.pdmesh.v1.DecodeResponse0\x01\x12G\n\x0eGetEngineStats\x12\x1d.pdmesh.v1.EngineStatsRequest\x1a\x16.pdmesh.v1.EngineStats2\xe8\x01\n\x07Prefill\x12@\n\x07Prefill\x12\x19.pdmesh.v1.PrefillRequest\x1a\x1a.pdmesh.v1.PrefillResponse\x12R\n\rCancelPrefill\x12\x1f.pdmesh.v1.CancelPrefillRequest\x1a .pdmesh.v1.CancelPrefillResponse\x12G\n\x0eGetEngineStats\x12\x1d.pdmesh.v1.EngineStatsRequest\x1a\x16.pdmesh.v1.EngineStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdmesh/v1/engine.proto\x12\tpdmesh.v1\x1a\x16pdmesh/v1/common.proto\"\xf4\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12$\n\x07prefill\x18\x04 \x01(\x0b\x32\x13.pdmesh.v1.NodeInfo\x12\x19\n\x11\x63lient_request_id\x18\x05 \x01(\t\x12.\n\x11prefill_fallbacks\x18\x06 \x03(\x0b\x32\x13.pdmesh.v1.NodeInfo\x12\x17\n\x0fresume_position\x18\x07 \x01(\r\"\xec\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.pdmesh.v1.Usage\x12\x30\n\x0eprefill_timing\x18\x04 \x01(\x0b\x32\x18.pdmesh.v1.PrefillTiming\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.pdmesh.v1.TokenLogprobs\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.pdmesh.v1.TokenLogprobs\"\x8e\x01\n\rKVDestination\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x02 \x01(\t\x12#\n\x06layout\x18\x03 \x01(\x0b\x32\x13.pdmesh.v1.KVLayout\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\"\xb3\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12-\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x18.pdmesh.v1.KVDestination\x12\x17\n\x0fresume_position\x18\x05 \x01(\r\"\xbd\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.pdmesh.v1.PrefillTiming\x12\x15\n\rbytes_written\x18\x04 \x01(\x03\x12\x36\n\x14\x66irst_token_logprobs\x18\x05 \x01(\x0b\x32\x18.pdmesh.v1.TokenLogprobs\"*\n\x14\x43\x61ncelPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"=\n\x15\x43\x61ncelPrefillResponse\x12\x13\n\x0bwas_running\x18\x01 \x01(\x08\x12\x0f\n\x07settled\x18\x02 \x01(\x08\"\x14\n\x12\x45ngineStatsRequest\"\xb1\x03\n\x0b\x45ngineStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x13\n\x0bused_blocks\x18\x04 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x06 \x01(\x05\x12\x19\n\x11pending_transfers\x18\x07 \x01(\x05\x12\x19\n\x11prefix_hit_tokens\x18\x08 \x01(\x03\x12\x13\n\x0bpreemptions\x18\t \x01(\x03\x12\x1a\n\x12quarantined_blocks\x18\n \x01(\x05\x12\x11\n\tkv_remote\x18\x0b \x01(\x05\x12\x1e\n\x16transfer_bytes_written\x18\x0c \x01(\x03\x12\x1b\n\x13transfer_bytes_read\x18\r \x01(\x03\x12\x0c\n\x04held\x18\x0e \x01(\x05\x12\x1a\n\x12rank_bytes_written\x18\x0f \x01(\x03\x12\x18\n\x10kv_blocks_staged\x18\x10 \x01(\x03\x12\x17\n\x0frank_bytes_read\x18\x11 \x01(\x03\x12\x1b\n\x13\x62orrowed_core_steps\x18\x12 \x01(\x03\x32\x94\x01\n\x06\x44\x65\x63ode\x12\x41\n\x08Generate\x12\x18.pdmesh.v1.DecodeRequest\x1a\x19.pdmesh.v1.DecodeResponse0\x01\x12G\n\x0eGetEngineStats\x12\x1d.pdmesh.v1.EngineStatsRequest\x1a\x16.pdmesh.v1.EngineStats2\xe8\x01\n\x07Prefill\x12@\n\x07Prefill\x12\x19.pdmesh.v1.PrefillRequest\x1a\x1a.pdmesh.v1.PrefillResponse\x12R\n\rCancelPrefill\x12\x1f.pdmesh.v1.CancelPrefillRequest\x1a .pdmesh.v1.CancelPrefillResponse\x12G\n\x0eGetEngineStats\x12\x1d.pdmesh.v1.EngineStatsRequest\x1a\x16.pdmesh.v1.EngineStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,23 +35,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODEREQUEST']._serialized_start=62
   _globals['_DECODEREQUEST']._serialized_end=306
   _globals['_DECODERESPONSE']._serialized_start=309
-  _globals['_DECODERESPONSE']._serialized_end=494
-  _globals['_KVDESTINATION']._serialized_start=497
-  _globals['_KVDESTINATION']._serialized_end=639
-  _globals['_PREFILLREQUEST']._serialized_start=642
-  _globals['_PREFILLREQUEST']._serialized_end=821
-  _globals['_PREFILLRESPONSE']._serialized_start=824
-  _globals['_PREFILLRESPONSE']._serialized_end=1013
-  _globals['_CANCELPREFILLREQUEST']._serialized_start=1015
-  _globals['_CANCELPREFILLREQUEST']._serialized_end=1057
-  _globals['_CANCELPREFILLRESPONSE']._serialized_start=1059
-  _globals['_CANCELPREFILLRESPONSE']._serialized_end=1120
-  _globals['_ENGINESTATSREQUEST']._serialized_start=1122
-  _globals['_ENGINESTATSREQUEST']._serialized_end=1142
-  _globals['_ENGINESTATS']._serialized_start=1145
-  _globals['_ENGINESTATS']._serialized_end=1578
-  _globals['_DECODE']._serialized_start=1581
-  _globals['_DECODE']._serialized_end=1729
-  _globals['_PREFILL']._serialized_start=1732
-  _globals['_PREFILL']._serialized_end=1964
+  _globals['_DECODERESPONSE']._serialized_end=545
+  _globals['_KVDESTINATION']._serialized_start=548
+  _globals['_KVDESTINATION']._serialized_end=690
+  _globals['_PREFILLREQUEST']._serialized_start=693
+  _globals['_PREFILLREQUEST']._serialized_end=872
+  _globals['_PREFILLRESPONSE']._serialized_start=875
+  _globals['_PREFILLRESPONSE']._serialized_end=1064
+  _globals['_CANCELPREFILLREQUEST']._serialized_start=1066
+  _globals['_CANCELPREFILLREQUEST']._serialized_end=1108
+  _globals['_CANCELPREFILLRESPONSE']._serialized_start=1110
+  _globals['_CANCELPREFILLRESPONSE']._serialized_end=1171
+  _globals['_ENGINESTATSREQUEST']._serialized_start=1173
+  _globals['_ENGINESTATSREQUEST']._serialized_end=1193
+  _globals['_ENGINESTATS']._serialized_start=1196
+  _globals['_ENGINESTATS']._serialized_end=1629
+  _globals['_DECODE']._serialized_start=1632
+  _globals['_DECODE']._serialized_end=1780
+  _globals['_PREFILL']._serialized_start=1783
+  _globals['_PREFILL']._serialized_end=2015
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pdmesh.v1 import common_pb2 as pdmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdmesh/v1/gateway.proto\x12\tpdmesh.v1\x1a\x16pdmesh/v1/common.proto\"\xad\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.pdmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\tB\x07\n\x05input\"\xdd\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.pdmesh.v1.Usage\x12\x30\n\x0eprefill_timing\x18\x05 \x01(\x0b\x32\x18.pdmesh.v1.PrefillTiming\x12\x12\n\nmigrations\x18\x06 \x01(\r\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.pdmesh.v1.TokenLogprobs\"J\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x13\n\x11ListModelsRequest\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.pdmesh.v1.ModelInfo2\xe0\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.pdmesh.v1.GenerateRequest\x1a\x1b.pdmesh.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.pdmesh.v1.TokenizeRequest\x1a\x1b.pdmesh.v1.TokenizeResponse\x12I\n\nListModels\x12\x1c.pdmesh.v1.ListModelsRequest\x1a\x1d.pdmesh.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdmesh/v1/gateway.proto\x12\tpdmesh.v1\x1a\x16pdmesh/v1/common.proto\"\xad\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.pdmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\tB\x07\n\x05input\"\x90\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.pdmesh.v1.Usage\x12\x30\n\x0eprefill_timing\x18\x05 \x01(\x0b\x32\x18.pdmesh.v1.PrefillTiming\x12\x12\n\nmigrations\x18\x06 \x01(\r\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.pdmesh.v1.TokenLogprobs\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.pdmesh.v1.TokenLogprobs\"J\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x13\n\x11ListModelsRequest\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.pdmesh.v1.ModelInfo2\xe0\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.pdmesh.v1.GenerateRequest\x1a\x1b.pdmesh.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.pdmesh.v1.TokenizeRequest\x1a\x1b.pdmesh.v1.TokenizeResponse\x12I\n\nListModels\x12\x1c.pdmesh.v1.ListModelsRequest\x1a\x1d.pdmesh.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,17 +35,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=63
   _globals['_GENERATEREQUEST']._serialized_end=236
   _globals['_GENERATERESPONSE']._serialized_start=239
-  _globals['_GENERATERESPONSE']._serialized_end=460
-  _globals['_TOKENIZEREQUEST']._serialized_start=462
-  _globals['_TOKENIZEREQUEST']._serialized_end=536
-  _globals['_TOKENIZERESPONSE']._serialized_start=538
-  _globals['_TOKENIZERESPONSE']._serialized_end=575
-  _globals['_LISTMODELSREQUEST']._serialized_start=577
-  _globals['_LISTMODELSREQUEST']._serialized_end=596
-  _globals['_MODELINFO']._serialized_start=598
-  _globals['_MODELINFO']._serialized_end=664
-  _globals['_LISTMODELSRESPONSE']._serialized_start=666
-  _globals['_LISTMODELSRESPONSE']._serialized_end=724
-  _globals['_GATEWAY']._serialized_start=727
-  _globals['_GATEWAY']._serialized_end=951
+  _globals['_GENERATERESPONSE']._serialized_end=511
+  _globals['_TOKENIZEREQUEST']._serialized_start=513
+  _globals['_TOKENIZEREQUEST']._serialized_end=587
+  _globals['_TOKENIZERESPONSE']._serialized_start=589
+  _globals['_TOKENIZERESPONSE']._serialized_end=626
+  _globals['_LISTMODELSREQUEST']._serialized_start=628
+  _globals['_LISTMODELSREQUEST']._serialized_end=647
+  _globals['_MODELINFO']._serialized_start=649
+  _globals['_MODELINFO']._serialized_end=715
+  _globals['_LISTMODELSRESPONSE']._serialized_start=717
+  _globals['_LISTMODELSRESPONSE']._serialized_end=775
+  _globals['_GATEWAY']._serialized_start=778
+  _globals['_GATEWAY']._serialized_end=1002
 # @@protoc_insertion_point(module_scope)
