@@ -10,7 +10,6 @@ import json
 import math
 from pathlib import Path
 
-import pytest
 import torch
 
 from services.cli import main as pdmesh

@@ -17,7 +17,7 @@ import pytest
 
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
 from tests.channels import operator_channel_sync
-from tests.integration.conftest import launch, mesh_dict, mixed_prompts
+from tests.integration.conftest import launch, mesh_dict
 from tests.integration.test_mesh import MAX_TOKENS, assert_matches_offline, assert_no_blocks_in_use, run_concurrently
 from tests.integration.test_mesh import expected  # noqa: F401  (the offline engine's tokens: a fixture)
 
