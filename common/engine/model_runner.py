@@ -199,11 +199,17 @@ class ModelRunner:
             picked = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=self.device)]
             logits = self.model.logits(picked)
         scored = inputs.score_rows
+        failed: BaseException | None = None
         for offset in range(0, len(scored), SCORE_SLICE_ROWS):
             part = torch.tensor(scored[offset:offset + SCORE_SLICE_ROWS], device=self.device)
             part_logits = self.model.logits(hidden[part])
-            if part_logits is not None and on_scores is not None:
-                on_scores(offset, part_logits)
+            if part_logits is not None and on_scores is not None and failed is None:
+                try:
+                    on_scores(offset, part_logits)
+                except Exception as e:   # every slice still computed: the other ranks wait in its gather
+                    failed = e
+        if failed is not None:
+            raise failed
         return logits
 
     def _score_router(self, spans: list[ScoreSpan]) -> Callable[[int, torch.Tensor], None] | None:

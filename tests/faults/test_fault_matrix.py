@@ -221,6 +221,9 @@ def test_kv_store_killed(mesh_a, model, work, baseline_a, fault_table):
     pushed_before, stored_before = prefill_pushed(mesh_a), store_bytes_in(mesh_a)
 
     async def fault(progress):
+        # a latch: the store committed a put of this case's prompts (the prefill node puts
+        # every full block it computed, asynchronously), and the streams are under way
+        await until(lambda: store_bytes_in(mesh_a) > stored_before, what="the kv-store taking this case's puts")
         await until(lambda: progress.total >= 32 * 10)
         stored = await asyncio.to_thread(store_bytes_in, mesh_a) - stored_before
         mesh_a.kill("kv-store")

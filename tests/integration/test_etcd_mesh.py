@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import grpc
+import pytest
 
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
 from tests.etcd_server import EtcdServer
@@ -89,15 +90,22 @@ def admin_call(address: str, method: str, request, timeout: float = 5.0):
         return getattr(meta_pb2_grpc.MetaAdminStub(ch), method)(request, timeout=timeout)
 
 
+NO_SUCH_NODE = "no-such-node"
+
+
 def leads(address: str) -> bool:
-    """Whether the meta-server takes a leader-only call (SetPolicy to the policy in force)."""
+    """Whether the meta-server takes a leader-only call, asked with one that changes
+    nothing: draining a node nobody has is NOT_FOUND on the leader, FAILED_PRECONDITION
+    on a standby (which refuses every change before looking at it)."""
     try:
-        admin_call(address, "SetPolicy", meta_pb2.SetPolicyRequest(policy="round_robin"))
-        return True
+        admin_call(address, "DrainNode", meta_pb2.DrainNodeRequest(node_id=NO_SUCH_NODE))
     except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.NOT_FOUND:
+            return True
         if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
             raise
         return False
+    raise AssertionError(f"{address} drained {NO_SUCH_NODE!r}")
 
 
 def test_leader_meta_server_killed(tiny_model, start_mesh, tmp_path):
@@ -108,15 +116,15 @@ def test_leader_meta_server_killed(tiny_model, start_mesh, tmp_path):
                           nodes=[("decode", "decode-0"), ("decode", "decode-1")], ttl_seconds=TTL, standbys=1)
         try:
             metas = {name: mesh.services[name].address for name in ("meta-server", "meta-server-1")}
-            leaders = []
-            for name, address in metas.items():
-                try:
-                    admin_call(address, "SetPolicy", meta_pb2.SetPolicyRequest(policy="round_robin"))
-                    leaders.append(name)
-                except grpc.RpcError as e:
-                    assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "standby" in e.details()
+            leaders = [name for name, address in metas.items() if leads(address)]
             assert len(leaders) == 1, leaders
             leader = leaders[0]
+            # admin state the standby must find in etcd: a policy other than the default, a drain
+            admin_call(metas[leader], "SetPolicy", meta_pb2.SetPolicyRequest(policy="round_robin"))
+            standby_name = next(name for name in metas if name != leader)
+            with pytest.raises(grpc.RpcError) as refused:
+                admin_call(metas[standby_name], "SetPolicy", meta_pb2.SetPolicyRequest(policy="cache_aware"))
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "standby" in refused.value.details()
             admin_call(metas[leader], "DrainNode", meta_pb2.DrainNodeRequest(node_id="decode-1"))
             before, _, _ = asyncio.run(stream(mesh.gateway_address, request([7, 8, 9], max_tokens=5)))
             standby = next(address for name, address in metas.items() if name != leader)

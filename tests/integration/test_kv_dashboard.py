@@ -108,7 +108,11 @@ def test_used_bar_grows_while_requests_run_then_returns_to_zero(page, mesh):
     finally:
         for f in streams:
             f.cancel()
-        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(HANG_GUARD_S)
+
+        async def settle():   # every cancelled stream closed its channel before the loop ends
+            await asyncio.gather(*(t for t in asyncio.all_tasks() if t is not asyncio.current_task()),
+                                 return_exceptions=True)
+        asyncio.run_coroutine_threadsafe(settle(), loop).result(HANG_GUARD_S)
         loop.call_soon_threadsafe(loop.stop)
         sender.join(HANG_GUARD_S)
         loop.close()

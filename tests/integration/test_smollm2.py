@@ -28,13 +28,13 @@ DIGIT_AFTER_SPACES = re.compile(r"\s{2,}\d")
 ENGINE_ARGS = dict(dtype="float32", num_blocks=128, max_num_seqs=4)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def hf_tokenizer(smollm2_gguf):
     import transformers
     return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def hf_model(smollm2_gguf):
     import transformers
     return transformers.AutoModelForCausalLM.from_pretrained(

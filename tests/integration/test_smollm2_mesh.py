@@ -2,7 +2,11 @@
 colocated `both` node answer chat prompts with exactly the offline engine's tokens, over
 gRPC (the rendered chat as text, tokenized by the gateway) and over HTTP with the
 `openai` client (chat completions, the gateway's own chat template), stopping at the
-model's end of turn as the offline engine does. On the 1P+1D mesh every prompt was
+model's end of turn as the offline engine does. fp32 matmuls are not batch-invariant on
+the CPU (a row's sums differ by ~1e-5 with the batch's size), and a real model has
+near-ties (one chat here has a top-2 margin of 0.001 nats on its greedy path): a token
+may differ only where the offline engine's own top-2 margin is below NEAR_TIE_NATS and
+the mesh's token is its runner-up; nothing after such a tie is compared. On the 1P+1D mesh every prompt was
 prefilled by the prefill node (its first message says so, and its transfer engine
 pushed the KV); no block stays in use."""
 from __future__ import annotations
@@ -21,6 +25,7 @@ from tests.integration.test_mesh import assert_no_blocks_in_use, bytes_written, 
 
 ENGINE = {"num_blocks": 256, "max_num_seqs": 16, "max_model_len": 2048}
 MAX_TOKENS = 48       # most answers end at <|im_end|> before this; the others at length
+NEAR_TIE_NATS = 0.01  # batch-shape noise moves a logit by ~1e-4 nats; a real divergence far more
 TOPOLOGIES = {"1p1d": (("prefill", "prefill-0"), ("decode", "decode-0")), "colocated": (("both", "both-0"),)}
 
 
@@ -31,10 +36,34 @@ def prompts(smollm2_dir) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def expected(smollm2_dir, prompts, llm_factory):
-    """(token ids, finish reason) per chat, from the offline engine."""
-    outs = llm_factory(smollm2_dir, **ENGINE).generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
-    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+def offline(smollm2_dir, llm_factory):
+    return llm_factory(smollm2_dir, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def expected(offline, prompts):
+    """(prompt ids, token ids, finish reason) per chat, from the offline engine."""
+    outs = offline.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    return [(o.prompt_token_ids, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+
+
+def assert_same_answer(offline, label: str, got: list[int], got_reason: str, want) -> bool:
+    """got == the offline tokens (and finish reason), or they part at a near-tie of the
+    offline engine's own logits where got holds the runner-up; True when a tie was met."""
+    prompt_ids, want_ids, want_reason = want
+    if got == want_ids:
+        assert got_reason == want_reason, label
+        return False
+    at = next((k for k, (a, b) in enumerate(zip(got, want_ids)) if a != b), min(len(got), len(want_ids)))
+    assert at < min(len(got), len(want_ids)), f"{label}: {len(got)} tokens, offline {len(want_ids)}"
+    row = offline.prompt_logprobs_full(prompt_ids + want_ids[:at + 1])[-1]
+    top2 = row.topk(2)
+    margin = float(top2.values[0] - top2.values[1])
+    assert margin < NEAR_TIE_NATS and got[at] == int(top2.indices[1]), (
+        f"{label}: token {at} is {got[at]}, the offline engine's is {want_ids[at]} with a top-2 margin of "
+        f"{margin:.4f} nats (a divergence is accepted only below {NEAR_TIE_NATS})")
+    print(f"{label}: a near-tie at token {at} (margin {margin:.5f} nats)")
+    return True
 
 
 @pytest.fixture(scope="module", params=list(TOPOLOGIES))
@@ -56,7 +85,7 @@ def chat_request(prompt: str) -> gateway_pb2.GenerateRequest:
         max_tokens=MAX_TOKENS, temperature=0.0, top_p=1.0, top_k=-1))
 
 
-def test_grpc_answers_equal_offline(mesh, prompts, expected):
+def test_grpc_answers_equal_offline(mesh, prompts, expected, offline):
     disaggregated = "prefill-0" in mesh.services
     before = bytes_written(mesh) if disaggregated else 0
 
@@ -64,25 +93,29 @@ def test_grpc_answers_equal_offline(mesh, prompts, expected):
         return await asyncio.gather(*(stream(mesh.gateway_address, chat_request(p)) for p in prompts))
 
     results = asyncio.run(all_at_once())
-    for i, ((tokens, _, msgs), (want, reason)) in enumerate(zip(results, expected)):
-        assert tokens == want, f"chat {i}: {CHATS[i][-1]['content']!r}"
-        assert msgs[-1].finish_reason == reason
+    ties = 0
+    for i, ((tokens, _, msgs), want) in enumerate(zip(results, expected)):
+        ties += assert_same_answer(offline, f"chat {i} over gRPC", tokens, msgs[-1].finish_reason, want)
         assert msgs[0].prefill_timing.remote == disaggregated
-    assert {reason for _, reason in expected} >= {"stop"}, "some answers end at the model's end of turn"
+    assert ties <= 2
+    assert {reason for _, _, reason in expected} >= {"stop"}, "some answers end at the model's end of turn"
     if disaggregated:
         assert bytes_written(mesh) > before
 
 
-def test_http_chat_equals_offline(mesh, expected):
+def test_http_chat_equals_offline(mesh, expected, offline):
     model_id = mesh.mesh.resolved_model_id
+    ties = 0
     with openai.OpenAI(base_url=mesh.http_address + "/v1", api_key=mesh.api_key(), max_retries=0,
                        timeout=120) as client:
-        for i, (chat, (want, reason)) in enumerate(zip(CHATS, expected)):
+        for i, (chat, want) in enumerate(zip(CHATS, expected)):
             out = client.chat.completions.create(model=model_id, messages=chat, max_tokens=MAX_TOKENS,
                                                  temperature=0, extra_body={"return_token_ids": True})
             [choice] = out.choices
-            assert choice.token_ids == want, f"chat {i}"
-            assert choice.finish_reason == reason and out.usage.completion_tokens == len(want)
+            assert out.usage.prompt_tokens == len(want[0]), f"chat {i}: the gateway's template and tokenizer"
+            ties += assert_same_answer(offline, f"chat {i} over HTTP", choice.token_ids, choice.finish_reason, want)
+            assert out.usage.completion_tokens == len(choice.token_ids)
+    assert ties <= 2
     assert "Paris" in client_text(mesh, model_id, CHATS[0])
 
 

@@ -8,10 +8,12 @@
     generation_config.json   bos id, the end-of-generation ids (e.g. eos and <|im_end|>)
     pdmesh-pull.json         MARKER, written last: source file, its sha256, dtype
 
-Lifecycle of a conversion: validate the file (config + tokenizer) -> write everything into
-a temporary folder beside the target (`.NAME.tmp-PID`) -> marker -> replace the target
-with it (a rename). A folder without the marker is therefore half-written (or not ours)
-and is rebuilt; one with it is finished.
+Lifecycle of a conversion: validate the file (config + tokenizer) -> remove what killed
+conversions left beside the target (`.NAME.tmp-*`, `.NAME.old-*`) -> write everything into
+a temporary folder beside it (`.NAME.tmp-PID`) -> marker -> swap it in: an existing
+target is renamed aside, the new folder renamed onto its name, the old one removed (a
+reader sees the old folder or the new one, each whole). A folder without the marker is
+therefore half-written (or not ours) and is rebuilt; one with it is finished.
 """
 from __future__ import annotations
 
@@ -62,9 +64,11 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float
     file = read_gguf(gguf_path)
     config = config_dict(file)
     tokenizer = build_tokenizer(file)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    for stale in (*out_dir.parent.glob(f".{out_dir.name}.tmp-*"), *out_dir.parent.glob(f".{out_dir.name}.old-*")):
+        shutil.rmtree(stale, ignore_errors=True)    # a conversion killed midway
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp.mkdir()
     try:
         tensors = {name: tensor for name, tensor, _ in
                    iter_gguf_tensors(gguf_path, progress=progress, dtype=getattr(torch, dtype))}
@@ -81,9 +85,11 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float
         _write_json(tmp / "generation_config.json", generation)
         _write_json(tmp / MARKER, {"source": str(gguf_path.resolve()), "sha256": sha256_of(gguf_path),
                                    "dtype": dtype, **(extra_marker or {})})
+        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
         if out_dir.exists():
-            shutil.rmtree(out_dir)
+            os.replace(out_dir, old)
         os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
