@@ -128,9 +128,13 @@ class Mesh:
 
 class TokenizerSpy:
     """Records the length of every text the gateway tokenizes (in its pool, or on the
-    tokenizer itself); a text of hold_from characters or more is timed (`window`: start
-    and end of the tokenizer's work) and then kept in the pool (`holding`) until
-    `release` is set (HANG_GUARD_S at most)."""
+    tokenizer itself); a text of hold_from characters or more is encoded again and again
+    for MIN_WORK_S at least (a window long enough that a stream quiet through it means a
+    blocked event loop, not a scheduler hiccup), timed (`window`: start and end of the
+    tokenizer's work), then kept in the pool (`holding`) until `release` is set
+    (HANG_GUARD_S at most)."""
+
+    MIN_WORK_S = 2.0
 
     def __init__(self, gateway: GatewayServicer, hold_from: int | None = None):
         self.lengths: list[int] = []
@@ -148,6 +152,8 @@ class TokenizerSpy:
             self.started.set()
             start = time.monotonic()
             ids = encode_in_pool(text, add_special_tokens)
+            while time.monotonic() - start < self.MIN_WORK_S:
+                encode_in_pool(text, add_special_tokens)
             self.window = (start, time.monotonic())
             self.release.wait(HANG_GUARD_S)
             self.holding = False
