@@ -64,7 +64,7 @@ ENGINE_TESTS := tests/unit/test_hf_equality.py tests/unit/test_engine_consistenc
                 tests/unit/test_engine_validation.py
 
 test: install
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests --durations=25 $(PYTEST_ARGS)
 	PDMESH_KERNEL_BACKEND=npu $(PY) -m pytest $(ENGINE_TESTS) $(PYTEST_ARGS)
 
 # The flake budget: the integration and fault tiers N times, each in a fresh clone of

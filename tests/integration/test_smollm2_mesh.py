@@ -26,6 +26,9 @@ from tests.integration.test_mesh import assert_no_blocks_in_use, bytes_written, 
 ENGINE = {"num_blocks": 256, "max_num_seqs": 16, "max_model_len": 2048}
 MAX_TOKENS = 48       # most answers end at <|im_end|> before this; the others at length
 NEAR_TIE_NATS = 0.01  # batch-shape noise moves a logit by ~1e-4 nats; a real divergence far more
+# requests in flight at once: the gateway refuses text beyond its tokenizer queue
+# (RESOURCE_EXHAUSTED past tokenizer_threads x QUEUED_PER_THREAD = 10 by default)
+IN_FLIGHT = 8
 TOPOLOGIES = {"1p1d": (("prefill", "prefill-0"), ("decode", "decode-0")), "colocated": (("both", "both-0"),)}
 
 
@@ -89,10 +92,15 @@ def test_grpc_answers_equal_offline(mesh, prompts, expected, offline):
     disaggregated = "prefill-0" in mesh.services
     before = bytes_written(mesh) if disaggregated else 0
 
-    async def all_at_once():
-        return await asyncio.gather(*(stream(mesh.gateway_address, chat_request(p)) for p in prompts))
+    async def concurrently():
+        gate = asyncio.Semaphore(IN_FLIGHT)
 
-    results = asyncio.run(all_at_once())
+        async def one(prompt):
+            async with gate:
+                return await stream(mesh.gateway_address, chat_request(prompt))
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    results = asyncio.run(concurrently())
     ties = 0
     for i, ((tokens, _, msgs), want) in enumerate(zip(results, expected)):
         ties += assert_same_answer(offline, f"chat {i} over gRPC", tokens, msgs[-1].finish_reason, want)
@@ -105,16 +113,24 @@ def test_grpc_answers_equal_offline(mesh, prompts, expected, offline):
 
 def test_http_chat_equals_offline(mesh, expected, offline):
     model_id = mesh.mesh.resolved_model_id
+
+    async def concurrently():
+        gate = asyncio.Semaphore(IN_FLIGHT)
+        async with openai.AsyncOpenAI(base_url=mesh.http_address + "/v1", api_key=mesh.api_key(),
+                                      max_retries=0, timeout=120) as client:
+            async def one(chat):
+                async with gate:
+                    return await client.chat.completions.create(
+                        model=model_id, messages=chat, max_tokens=MAX_TOKENS, temperature=0,
+                        extra_body={"return_token_ids": True})
+            return await asyncio.gather(*(one(chat) for chat in CHATS))
+
     ties = 0
-    with openai.OpenAI(base_url=mesh.http_address + "/v1", api_key=mesh.api_key(), max_retries=0,
-                       timeout=120) as client:
-        for i, (chat, want) in enumerate(zip(CHATS, expected)):
-            out = client.chat.completions.create(model=model_id, messages=chat, max_tokens=MAX_TOKENS,
-                                                 temperature=0, extra_body={"return_token_ids": True})
-            [choice] = out.choices
-            assert out.usage.prompt_tokens == len(want[0]), f"chat {i}: the gateway's template and tokenizer"
-            ties += assert_same_answer(offline, f"chat {i} over HTTP", choice.token_ids, choice.finish_reason, want)
-            assert out.usage.completion_tokens == len(choice.token_ids)
+    for i, (out, want) in enumerate(zip(asyncio.run(concurrently()), expected)):
+        [choice] = out.choices
+        assert out.usage.prompt_tokens == len(want[0]), f"chat {i}: the gateway's template and tokenizer"
+        ties += assert_same_answer(offline, f"chat {i} over HTTP", choice.token_ids, choice.finish_reason, want)
+        assert out.usage.completion_tokens == len(choice.token_ids)
     assert ties <= 2
     assert "Paris" in client_text(mesh, model_id, CHATS[0])
 
