@@ -1,7 +1,7 @@
 """Fast CPU backend: decode attention in C++ straight over the block tables
 (kernels/csrc/paged_decode_cpu.cpp, built at install time by kernels/cpu_extension.py), and
-every linear layer on oneDNN over weights packed once at load time (a tied lm_head
-excepted: the embedding lookup needs its dense matrix); prefill, KV writes,
+every linear layer on oneDNN over weights packed once at load time (a tied lm_head is
+packed as a copy: the embedding lookup keeps the dense matrix); prefill, KV writes,
 norms and rotary are `ref`'s.
 
 Why: PyTorch's CPU F.linear calls MKL's sgemm, which on small row counts (a decode batch
