@@ -98,8 +98,8 @@ def test_the_only_decode_node_killed_then_restarted(mesh_b, work, baseline_b, fa
 
     async def fault(progress):
         await until(lambda: mid_stream(progress))
-        mesh_b.kill("decode-0")
         killed["at"] = time.monotonic()
+        mesh_b.kill("decode-0")
 
     started = time.monotonic()
     try:
