@@ -29,7 +29,7 @@ from bench_mesh import COLOCATED_NODES, PD_NODES, use_client_key
 from bench_model import ROOT, ensure_bench_model
 
 from common.config import mesh_config_from_dict  # noqa: E402
-from common.engine.cpu_budget import allowed_cpus, format_cpu_list  # noqa: E402
+from common.cpu_budget import allowed_cpus, format_cpu_list  # noqa: E402
 from services.bench.serve import ServeConfig, run_serve_benchmark  # noqa: E402
 from services.cli.launcher import MeshProcesses  # noqa: E402
 

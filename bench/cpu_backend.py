@@ -115,7 +115,7 @@ def bench_steps(model: str, args) -> tuple[list[dict], dict]:
         out.append(dict(batch=batch, context=ctx, ref_ms=ref_ms, cpu_ms=cpu_ms, speedup=ref_ms / cpu_ms))
         lm = engines[1].model     # weights read per step: an untied embedding is gathered by row
         weight_bytes = sum(size for name, size in lm.dense_bytes.items()
-                           if name != "embed" or lm.cfg.tie_word_embeddings)
+                           if name != "embed.weight" or lm.cfg.tie_word_embeddings)
         del engines
     bandwidth = copy_bandwidth_gb_s(args)
     floor_ms = weight_bytes / bandwidth / 1e6

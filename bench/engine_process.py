@@ -48,7 +48,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]   # the repository's kernels pac
 from bench_model import BENCH_MODEL, ensure_bench_model  # noqa: E402
 from engine_server import CONTROL_SERVICE, ENGINE  # noqa: E402
 
-from common.engine.cpu_budget import OPENMP_WAIT_ENV  # noqa: E402
+from common.cpu_budget import OPENMP_WAIT_ENV  # noqa: E402
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc  # noqa: E402
 from services.bench.datasets import random_requests  # noqa: E402
 from services.bench.machine import machine_info  # noqa: E402

@@ -43,17 +43,18 @@ def main() -> int:
     from common.model.catalog import pull_model
     llm = LLM(str(pull_model("smollm2-135m-instruct", ROOT / "models")), num_blocks=512, max_num_seqs=8)
     model = llm.engine.model
-    packed, dense = model.lm_linear, model.lm_head.data   # .data: a plain tensor, not a Parameter to register
+    head_layer = model.lm_head
+    packed, dense = head_layer.prepared, model.embed.weight.data   # .data: a plain tensor, not a Parameter
     assert packed is not dense, "the backend keeps a tied head dense: nothing to compare"
     times: dict[str, list[float]] = {"packed": [], "dense": []}
     for variant, head in (("packed", packed), ("dense", dense)):   # warm-up
-        model.lm_linear = head
+        head_layer.prepared = head
         step_ms(llm, args.batch, args.steps)
     for _ in range(args.rounds):
         for variant, head in (("packed", packed), ("dense", dense)):
-            model.lm_linear = head
+            head_layer.prepared = head
             times[variant].append(step_ms(llm, args.batch, args.steps))
-    model.lm_linear = packed
+    head_layer.prepared = packed
     med = {k: statistics.median(v) for k, v in times.items()}
     report = {"command": " ".join(["python", "bench/lm_head.py", *sys.argv[1:]]), "machine": machine_info(),
               "batch": args.batch, "steps": args.steps, "ms_per_step": times, "median_ms_per_step": med,

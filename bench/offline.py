@@ -86,7 +86,7 @@ def decode_step_time(llm: LLM, vocab: int, steps: int = 64) -> float:
 def weight_bytes_per_decode_step(llm: LLM) -> int:
     model = llm.engine.model   # dense_bytes: sizes before the backend packed the linears
     return sum(size for name, size in model.dense_bytes.items()
-               if name != "embed" or model.cfg.tie_word_embeddings)  # an untied table is gathered by row
+               if name != "embed.weight" or model.cfg.tie_word_embeddings)  # an untied table is gathered by row
 
 
 def main() -> int:

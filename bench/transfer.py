@@ -39,7 +39,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common.transfer import KVLayout, KVSender, block_runs, create_transfer  # noqa: E402
+from common.kv_layout import KVLayout  # noqa: E402
+from common.transfer import KVSender, block_runs, create_transfer  # noqa: E402
 
 LAYOUT = dict(num_layers=8, block_size=16, num_kv_heads=4, head_dim=64)
 NUM_TOKENS = 4096

@@ -32,7 +32,8 @@ import torch
 
 from transfer import LAYOUT, NUM_TOKENS, Receiver, digest, kv_shape, process_cpu_s
 
-from common.transfer import KVLayout, KVSender, create_transfer, plan_head_slice_writes
+from common.kv_layout import KVLayout
+from common.transfer import KVSender, create_transfer, plan_head_slice_writes
 
 
 @dataclass

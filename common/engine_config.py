@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from common.engine.cpu_budget import check_cpu_cores, format_cpu_list, parse_cpu_list
+from common.cpu_budget import check_cpu_cores, format_cpu_list, parse_cpu_list
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "npu")
@@ -22,7 +22,7 @@ class EngineConfig:
 
     cpu_cores pins the engine's process to those cores (ids, or "0-3,6" / [0, 1] in YAML,
     normalized to a sorted tuple); () = not pinned. num_threads 0 = one thread per core of
-    cpu_cores, or torch's default when not pinned (common/engine/cpu_budget.py).
+    cpu_cores, or torch's default when not pinned (common/cpu_budget.py).
 
     tensor_parallel_size N > 1 shards the model over N rank processes stepping together
     (common/parallel/executor.py); the model's heads must divide by N (checked when the

@@ -27,7 +27,7 @@ def _pack(token_ids: Sequence[int]) -> bytes:
 def layout_key(layout) -> str:
     """The layout part of every block hash: what two KV caches must share for a block to
     be valid in both. `layout` is anything with dtype, num_layers, num_kv_heads, head_dim
-    and block_size (common.transfer.layout.KVLayout or its proto)."""
+    and block_size (common.kv_layout.KVLayout or its proto)."""
     return (f"{layout.dtype}:L{layout.num_layers}:H{layout.num_kv_heads}"
             f":D{layout.head_dim}:B{layout.block_size}")
 

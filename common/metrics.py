@@ -21,6 +21,8 @@ import logging
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from common.bind_error import BindError
+
 log = logging.getLogger("pdmesh.metrics")
 PREFIX = "pdmesh:"
 # vLLM's buckets (vllm/v1/metrics/loggers.py), in seconds
@@ -64,8 +66,7 @@ class MetricsServer:
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self, host: str, port: int) -> int:
-        """BindError (services/node/grpc_util.py) when host:port cannot be bound."""
-        from services.node.grpc_util import BindError
+        """BindError when host:port cannot be bound."""
         try:
             self._server = await asyncio.start_server(self._handle, host, port, limit=READ_LIMIT)
         except OSError as e:

@@ -10,7 +10,7 @@ from common.config import KVStoreConfig, TimeoutConfig
 from common.hashing import hash_block_chain, layout_key
 from common.transfer.fake import FakeTransfer
 from common.transfer.kv_writes import KVSender
-from common.transfer.layout import KVLayout
+from common.kv_layout import KVLayout
 from services.kv_store.store import KVStore
 
 BLOCK_SIZE = 4

@@ -16,7 +16,7 @@ from common.engine import AsyncEngine, SamplingParams
 from common.engine.llm_engine import LLMEngine
 from common.transfer.fake import FakeTransfer
 from common.transfer.kv_writes import KVSender
-from common.transfer.layout import KVLayout
+from common.kv_layout import KVLayout
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.decode.remote_prefill import RemotePrefill
 from services.node import grpc_util

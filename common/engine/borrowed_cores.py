@@ -39,7 +39,7 @@ import os
 
 import torch
 
-from common.engine.cpu_budget import format_cpu_list, parse_cpu_list
+from common.cpu_budget import format_cpu_list, parse_cpu_list
 
 log = logging.getLogger("pdmesh.engine")
 

@@ -17,7 +17,7 @@ The narrow interface services drive it through:
 - prefill node: add_request(hold_blocks=True, on_computed=cb): cb(seq, start, end) after
   each step that computed tokens [start, end); when cb has an `on_layer` attribute, also
   cb.on_layer(seq, layer, start, end) inside the step's forward pass, right after each
-  layer wrote that KV (common/engine/model_runner.py; layerwise KV push); finished, the
+  layer wrote that KV (common/engine/step_runner.py; layerwise KV push); finished, the
   blocks stay HELD (the KV is being pushed) until release(). With kv_remote=True as
   well, admission parks it in KV_REMOTE while the kv-store fills leading blocks;
   commit_loaded(n) makes it compute the prompt from token n on.
@@ -47,10 +47,10 @@ from typing import Callable, ContextManager
 import torch
 
 from common.config import EngineConfig
-from common.engine import cpu_budget
+from common import cpu_budget
 from common.engine.borrowed_cores import BorrowedCores
 from common.engine.block_manager import BlockManager
-from common.engine.model_runner import ModelRunner, load_rank
+from common.engine.step_runner import StepRunner
 from common.engine.sampler import compute_logprobs, sample
 from common.engine.sampling_params import SamplingParams
 from common.engine.lifecycle import RequestState
@@ -58,14 +58,13 @@ from common.engine.scheduler import Scheduler
 from common.engine.sequence import Sequence
 from common.engine.validation import validate_request, validate_resume_position
 from common.hashing import layout_key
+from common.kv_layout import KVLayout
 from common.model.config import load_model_config
-from common.transfer.layout import KVLayout
+from common.runner.dtypes import dtype_name, resolve_dtype
+from common.runner.model_runner import ModelRunner, load_rank
 from kernels import get_backend
 
 log = logging.getLogger("pdmesh.engine")
-
-DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass
 class StepOutput:
@@ -82,12 +81,6 @@ class StepOutput:
     # on the first output of a request with prompt_logprobs: one entry per prompt position,
     # None at 0, then {actual token: logprob, top tokens...}
     prompt_logprobs: list[dict[int, float] | None] | None = None
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return DTYPE_BY_NAME[name]
 
 
 class LLMEngine:
@@ -133,7 +126,7 @@ class LLMEngine:
         start = time.perf_counter()
         # rank 0 here, the workers spawned first so that they load their shards meanwhile
         self.tp = None if tp_size == 1 else TPExecutor(
-            config, dtype=next(k for k, v in DTYPE_BY_NAME.items() if v == self.dtype),
+            config, dtype=dtype_name(self.dtype),
             num_blocks=self.num_blocks, block_size=self.block_size, max_model_len=self.max_model_len,
             transfer_factory=rank_transfer)
         try:
@@ -155,7 +148,7 @@ class LLMEngine:
                                           self.layout, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, tp=self.tp)
+        self.runner = StepRunner(ModelRunner(self.model, self.kv_cache, self.block_size), tp=self.tp)
         self.runner.on_prompt_logits = self._prompt_logits
         self.generator = torch.Generator().manual_seed(config.seed)
         self.tokenizer = self._load_tokenizer(config.model)

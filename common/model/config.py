@@ -11,12 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+from common.model.registry import ARCHITECTURES
 
 
 @dataclass(frozen=True)
@@ -77,7 +72,7 @@ def model_config_from_dict(raw: dict[str, Any], source: str = "config.json") -> 
         raise ValueError(f"{source}: architectures={archs} is not supported; "
                          f"allowed: {sorted(ARCHITECTURES)}")
     arch = known[0]
-    kind = ARCHITECTURES[arch]
+    kind = ARCHITECTURES[arch].model_type
     try:
         hidden = int(raw["hidden_size"])
         num_heads = int(raw["num_attention_heads"])

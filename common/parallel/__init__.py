@@ -2,7 +2,7 @@
 
     shard.py        which heads / columns / vocab rows a rank holds; the size check
     group.py        a rank's collectives (gloo on cpu, nccl on cuda, hccl on npu)
-    step_inputs.py  one step's inputs as ints and their broadcast form
+    step_wire.py    the broadcast form of a step's inputs (common/runner/step_inputs.py)
     executor.py     rank 0's side: spawns the workers, sends each step, detects failure
     worker.py       ranks 1..N-1: load a shard, step in lockstep with rank 0
     rank_writes.py  KV writes a worker makes from its own cache, on rank 0's order

@@ -7,7 +7,7 @@ change: one block table serves every rank (each rank's KV cache has the same blo
 holding its own KV heads), and only rank 0 samples. The services drive an engine of
 any TP size through the same LLMEngine. The workers need no scheduler state at all:
 each step, rank 0 broadcasts the step's StepInputs (token ids, positions, slots, block
-tables, lengths, sample rows: common/parallel/step_inputs.py), as one int64 tensor over
+tables, lengths, sample rows: common/parallel/step_wire.py), as one int64 tensor over
 the group's own backend (gloo / nccl / hccl), then every rank runs its shard's forward:
 two all-reduces a layer, one for the embedding, and a gather of the LM head's vocab
 columns to rank 0. A tensor broadcast is cheaper than pickling objects over a pipe
@@ -51,10 +51,11 @@ from collections.abc import Callable
 from typing import Iterator
 
 from common.config import EngineConfig
-from common.engine import cpu_budget
+from common import cpu_budget
 from common.parallel.group import TPGroup, make_store
 from common.parallel.rank_writes import RankWriters
-from common.parallel.step_inputs import INLINE_LEN, HEADER_LEN, StepInputs, gather_message, pack, stop_message
+from common.parallel.step_wire import INLINE_LEN, HEADER_LEN, gather_message, pack, stop_message
+from common.runner.step_inputs import StepInputs
 from common.parallel.worker import WorkerSpec, main as worker_main
 
 log = logging.getLogger("pdmesh.engine")

@@ -43,7 +43,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from common.transfer.base import TransferError
-from common.transfer.layout import KVLayout
+from common.kv_layout import KVLayout
 
 log = logging.getLogger("pdmesh.engine")
 

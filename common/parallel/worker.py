@@ -51,7 +51,7 @@ class WorkerSpec:
     store_port: int
     group_name: str
     device: str
-    dtype: str                  # a key of llm_engine.DTYPE_BY_NAME
+    dtype: str                  # a key of common/runner/dtypes.DTYPE_BY_NAME
     num_blocks: int
     block_size: int
     max_model_len: int
@@ -94,7 +94,7 @@ def main(spec: WorkerSpec, writes_conn=None) -> None:
     _watch_parent(spec)
     import torch
 
-    from common.engine import cpu_budget
+    from common import cpu_budget
     from common.parallel.group import TPGroup, make_store
 
     cpu_budget.apply(spec.cpu_cores, spec.num_threads)
@@ -122,8 +122,8 @@ def main(spec: WorkerSpec, writes_conn=None) -> None:
 def _load(spec: WorkerSpec):
     import torch
 
-    from common.engine.llm_engine import DTYPE_BY_NAME
-    from common.engine.model_runner import ModelRunner, load_rank
+    from common.runner.dtypes import DTYPE_BY_NAME
+    from common.runner.model_runner import ModelRunner, load_rank
     from common.model.config import load_model_config
     from common.parallel.shard import plan_shard
     from kernels import get_backend
@@ -148,7 +148,7 @@ def _start_transfer(spec: WorkerSpec, kv_cache, writes_conn) -> bytes:
     the process (its memory is the cache)."""
     from common.parallel.rank_writes import serve_writes
     from common.transfer.kv_writes import KVSender
-    from common.transfer.layout import KVLayout
+    from common.kv_layout import KVLayout
     from protos.pdmesh.v1 import common_pb2
 
     transfer = spec.transfer_factory()
@@ -170,7 +170,7 @@ def _start_transfer(spec: WorkerSpec, kv_cache, writes_conn) -> bytes:
 def _serve(group, runner) -> None:
     import torch
 
-    from common.parallel.step_inputs import INLINE_LEN, HEADER_LEN, GatherKV, is_inline, unpack
+    from common.parallel.step_wire import INLINE_LEN, HEADER_LEN, GatherKV, is_inline, unpack
 
     wire = torch.empty(INLINE_LEN, dtype=torch.int64)
     while True:

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from common.transfer.base import TransferEngine
-from common.transfer.layout import KVLayout
+from common.kv_layout import KVLayout
 
 
 def block_runs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -7,7 +7,7 @@ meta-server) and prints one status line per service, with its cores and, when it
 metrics (its metrics_port), where: http://HOST:PORT/metrics. Standby meta-servers share
 meta_server's config, so each gets a free metrics port of its own (--metrics-port).
 
-Cores (common/engine/cpu_budget.plan_cores): the engine nodes split the cores this
+Cores (common/cpu_budget.plan_cores): the engine nodes split the cores this
 process may use (a node at tensor_parallel_size N as N engines), one OpenMP thread per
 core, unless engine.cpu_cores names theirs; the one decode node of a mesh with prefill
 nodes borrows their cores while none of its prompts is prefilled remotely
@@ -35,7 +35,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import MeshConfig
-from common.engine import cpu_budget
+from common import cpu_budget
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
 from services.node.grpc_util import free_port, port_in_use
 

@@ -169,7 +169,7 @@ class ServiceFailed(RuntimeError):
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.node.grpc_util import BindError
+    from common.bind_error import BindError
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
     try:
         asyncio.run(_serve(args))

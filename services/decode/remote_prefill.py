@@ -37,6 +37,7 @@ import time
 
 import grpc
 
+from common.call_metadata import WRITES_SETTLED_KEY
 from common.timeline import mark
 from common.engine.remote_kv import KVFilled
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -44,7 +45,6 @@ from services.node.grpc_util import refuses_connections
 from services.convert import logprobs_from_proto
 
 log = logging.getLogger("pdmesh.decode")
-SETTLED_KEY = "pdmesh-writes-settled"   # trailing metadata of a status the prefill node answered
 SETTLED_POLL_S = 0.5                    # settled(): how often to ask a quiet prefill node again
 
 
@@ -52,7 +52,7 @@ def answered_settled(error: grpc.aio.AioRpcError) -> bool:
     """True when the call proves no write of it can land: the prefill node itself ended it
     after its writes had ended, or it never reached the node (no connection could be made;
     gRPC core's words for that)."""
-    if any(key == SETTLED_KEY for key, _ in (error.trailing_metadata() or ())):
+    if any(key == WRITES_SETTLED_KEY for key, _ in (error.trailing_metadata() or ())):
         return True
     return error.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (error.details() or "")
 

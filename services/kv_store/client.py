@@ -38,7 +38,7 @@ import grpc
 from common.config import TimeoutConfig
 from common.transfer.base import TransferError
 from common.transfer.kv_writes import KVSender
-from common.transfer.layout import KVLayout
+from common.kv_layout import KVLayout
 from protos.pdmesh.v1 import kv_store_pb2, kv_store_pb2_grpc
 from services.kv_store.pin_names import NAME
 from services.node import grpc_util

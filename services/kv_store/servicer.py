@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import grpc
 
-from common.transfer.layout import KVLayout
+from common.kv_layout import KVLayout
 from protos.pdmesh.v1 import kv_store_pb2, kv_store_pb2_grpc
 from services.kv_store.store import KVStore, Space, SpaceRefused, SpacesExhausted, space_key
 from services.node.members_view import MembersUnavailable

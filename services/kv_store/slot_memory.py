@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from common.transfer.base import TransferEngine
-from common.transfer.layout import KVLayout
+from common.kv_layout import KVLayout
 
 
 class SlotMemory:

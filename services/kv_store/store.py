@@ -35,7 +35,7 @@ from typing import Callable
 from common.config import KVStoreConfig, TimeoutConfig
 from common.hashing import DIGEST_SIZE, layout_key
 from common.transfer.base import TransferEngine
-from common.transfer.layout import KVLayout
+from common.kv_layout import KVLayout
 from services.kv_store.pin_names import NAME, PinNames, check_name
 from services.kv_store.redis_tier import RedisTier, decode_block, encode_block
 from services.kv_store.slot_index import Entry, SlotIndex

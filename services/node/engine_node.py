@@ -25,7 +25,7 @@ from common.parallel.rank_writes import RankWriters, WorkerSender
 from common.parallel.shard import plan_shard
 from common.transfer.base import TransferEngine
 from common.transfer.kv_writes import KVSender
-from common.transfer.layout import KVLayout
+from common.kv_layout import KVLayout
 from common.transfer.factory import create_transfer
 from protos.pdmesh.v1 import common_pb2, engine_pb2
 from services.node import grpc_util

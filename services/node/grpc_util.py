@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.bind_error import BindError
 from services.security.client_auth import mesh_channel
 from services.security.credentials import MeshCredentials, MissingCredentialsError, process_credentials
 from services.node.malformed_requests import MalformedRequestInterceptor
@@ -62,11 +63,6 @@ def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str])
 async def mark_serving(servicer, service_names: list[str]) -> None:
     for name in ["", *service_names]:
         await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-
-
-class BindError(RuntimeError):
-    """A service's port (gRPC, metrics, HTTP) cannot be bound: the service does not start
-    (`pdmesh serve` prints the message and exits 1)."""
 
 
 @contextlib.asynccontextmanager

@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 
 import grpc
 
-from common.transfer.layout import KVLayout
+from common.kv_layout import KVLayout
 from protos.pdmesh.v1 import common_pb2, engine_pb2
 from services.node.members_view import MembersUnavailable, MembersView
 

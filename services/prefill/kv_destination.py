@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from common.parallel.rank_writes import RankWriters, WriteOrder
 from common.transfer.base import TransferError
 from common.transfer.kv_writes import KVSender
-from common.transfer.layout import KVLayout
+from common.kv_layout import KVLayout
 from common.transfer.tp_pairing import rank_writes
 
 log = logging.getLogger("pdmesh.prefill")

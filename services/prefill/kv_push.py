@@ -47,7 +47,7 @@ from common.transfer.base import TransferError
 
 
 class LayerHooks:
-    """An engine's on_computed with a layer hook (common/engine/model_runner.py):
+    """An engine's on_computed with a layer hook (common/engine/step_runner.py):
     `hooks(seq, start, end)` after the step, `hooks.on_layer(seq, layer, start, end)`
     inside it."""
 

@@ -34,14 +34,14 @@ from collections import OrderedDict
 
 import grpc
 
+from common.call_metadata import WRITES_SETTLED_KEY
 from common.timeline import mark
 from common.engine.async_engine import EngineDeadError
 from common.transfer.base import TransferError
-from common.transfer.layout import KVLayout
+from common.kv_layout import KVLayout
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from common.engine.validation import validate_resume_position
 from services.convert import logprobs_to_proto, sampling_from_proto
-from services.decode.remote_prefill import SETTLED_KEY
 from services.node.members_view import MembersView
 from services.prefill.destination_check import DestinationCheck, DestinationRefused
 from services.security.server_auth import peer_service_name
@@ -50,7 +50,7 @@ from services.prefill.kv_push import KVPusher
 from services.prefill.store_prefix import StorePrefix
 
 log = logging.getLogger("pdmesh.prefill")
-SETTLED = ((SETTLED_KEY, "1"),)
+SETTLED = ((WRITES_SETTLED_KEY, "1"),)
 MAX_REMEMBERED = 4096   # unsettled requests and cancelled ids remembered (oldest dropped)
 
 

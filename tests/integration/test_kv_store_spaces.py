@@ -15,7 +15,7 @@ from common.config import KVStoreConfig, MeshConfig, MetaConfig, TimeoutConfig, 
 from common.hashing import hash_block_chain, layout_key
 from common.transfer import create_transfer
 from common.transfer.kv_writes import KVSender
-from common.transfer.layout import KVLayout
+from common.kv_layout import KVLayout
 from protos.pdmesh.v1 import common_pb2, kv_store_pb2 as pb, kv_store_pb2_grpc, meta_pb2, meta_pb2_grpc
 from services.kv_store.server import create_server as create_store
 from services.kv_store.server import stop_server

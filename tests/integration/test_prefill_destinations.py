@@ -17,7 +17,7 @@ import pytest
 
 from common.config import MeshConfig, MetaConfig, NodeConfig, TimeoutConfig, TransferConfig
 from common.transfer import create_transfer
-from common.transfer.layout import KVLayout
+from common.kv_layout import KVLayout
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, meta_pb2, meta_pb2_grpc
 from services.meta_server.server import create_server
 from services.node.node_server import create_node_server, stop_node_server

@@ -17,7 +17,7 @@ from tokenizers import pre_tokenizers
 
 from common.engine import SamplingParams
 from common.model.tokenizer import Tokenizer
-from common.model.weights import iter_checkpoint
+from common.model.formats.checkpoint import iter_checkpoint
 from services.gateway.openai_http.chat_template import ChatTemplate
 from tests.chat_prompts import CHATS
 from tests.gguf_files import CORPUS

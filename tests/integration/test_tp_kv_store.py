@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from common.engine import LLM, SamplingParams
-from common.transfer.layout import KVLayout
+from common.kv_layout import KVLayout
 from protos.pdmesh.v1 import kv_store_pb2, kv_store_pb2_grpc
 from tests.channels import operator_channel_sync
 from tests.integration.conftest import ENGINE, engine_stats, launch, mesh_dict

@@ -102,7 +102,8 @@ def engines(backend):
 def test_kv_blocks_between_two_engines(engines, direction):
     """a's blocks into b's: KVSender on a pushes them, or KVSender on b fetches them."""
     torch = pytest.importorskip("torch")
-    from common.transfer import KVLayout, KVSender
+    from common.kv_layout import KVLayout
+    from common.transfer import KVSender
     a, b = engines
     torch.manual_seed(0)
     src = torch.randn(4, 2, 12, 16, 2, 32)

@@ -18,7 +18,7 @@ import grpc
 import pytest
 import yaml
 
-from common.engine.cpu_budget import parse_cpu_list
+from common.cpu_budget import parse_cpu_list
 from services.cli.client import stream_generate
 from services.node.grpc_util import free_port
 from services.security.client_auth import client_channel

@@ -108,10 +108,12 @@ def test_the_model_keeps_no_dense_copy_of_packed_weights(tiny_model):
     from common.config import EngineConfig
     from common.engine.llm_engine import LLMEngine
     engine = LLMEngine(EngineConfig.from_kwargs(str(tiny_model("llama")), kernel_backend="cpu"))
-    layer = engine.model.layers[0]
+    linears = dict(engine.model.linears())
     assert engine.backend.name == "cpu"
-    assert all(layer.linears[name].is_mkldnn for name in layer.LINEAR_NAMES)
-    assert all(getattr(layer, name).numel() == 0 for name in layer.LINEAR_NAMES)
+    assert sorted(linears) == sorted(f"layers.{i}.{name}" for i in range(engine.model.cfg.num_layers)
+                                     for name in ("self_attn.qkv", "self_attn.o", "mlp.gate_up", "mlp.down"))
+    assert all(linear.prepared.is_mkldnn for linear in linears.values())
+    assert all(linear.weight.numel() == 0 for linear in linears.values())
     with pytest.raises(RuntimeError, match="already called"):
         engine.model.prepare_linears()
 
@@ -120,10 +122,10 @@ def test_ref_keeps_its_dense_parameters(tiny_model):
     from common.config import EngineConfig
     from common.engine.llm_engine import LLMEngine
     engine = LLMEngine(EngineConfig.from_kwargs(str(tiny_model("llama")), kernel_backend="ref"))
-    layer = engine.model.layers[0]
-    assert all(layer.linears[name] is not None and getattr(layer, name).numel() > 0
-               and layer.linears[name].data_ptr() == getattr(layer, name).data_ptr()
-               for name in layer.LINEAR_NAMES)
+    linears = [linear for _, linear in engine.model.linears()]
+    assert len(linears) == 4 * engine.model.cfg.num_layers
+    assert all(linear.prepared is not None and linear.weight.numel() > 0
+               and linear.prepared.data_ptr() == linear.weight.data_ptr() for linear in linears)
 
 
 def test_decode_refuses_a_block_id_outside_the_cache(backend):

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from common.config import EngineConfig, mesh_config_from_dict
-from common.engine import cpu_budget
+from common import cpu_budget
 from common.engine.borrowed_cores import BorrowedCores
-from common.engine.cpu_budget import CoreShare, plan_borrowing, plan_cores
+from common.cpu_budget import CoreShare, plan_borrowing, plan_cores
 
 ROOT = Path(__file__).resolve().parents[2]
 two_cores = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or not {0, 1} <= os.sched_getaffinity(0),

@@ -1,4 +1,4 @@
-"""The CPU budget (common/engine/cpu_budget.py): cpu_cores parsed and validated in
+"""The CPU budget (common/cpu_budget.py): cpu_cores parsed and validated in
 EngineConfig, really applied to an engine process, and `pdmesh up`'s plan of who runs on
 which cores. Pinning happens only in child processes: the test process keeps its cores."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from common.config import EngineConfig, mesh_config_from_dict
-from common.engine import cpu_budget
-from common.engine.cpu_budget import CoreShare, format_cpu_list, parse_cpu_list, plan_cores
+from common import cpu_budget
+from common.cpu_budget import CoreShare, format_cpu_list, parse_cpu_list, plan_cores
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTROL = ["meta-server", "kv-store", "gateway"]
@@ -112,7 +112,7 @@ def test_num_threads_wins_over_one_per_core():
     cores = sorted(os.sched_getaffinity(0))
     got = _child(f"""
 import json, os, torch
-from common.engine import cpu_budget
+from common import cpu_budget
 n = cpu_budget.apply(({cores[0]},), 2)
 print(json.dumps({{"process": sorted(os.sched_getaffinity(0)), "torch": torch.get_num_threads(), "n": n}}))
 """)
@@ -122,7 +122,7 @@ print(json.dumps({{"process": sorted(os.sched_getaffinity(0)), "torch": torch.ge
 def test_no_budget_keeps_the_process_as_it_started():
     got = _child("""
 import json, os, torch
-from common.engine import cpu_budget
+from common import cpu_budget
 before = torch.get_num_threads()
 n = cpu_budget.apply((), 0)
 print(json.dumps({"process": sorted(os.sched_getaffinity(0)), "same": n == before == torch.get_num_threads()}))

@@ -17,7 +17,7 @@ from gguf import GGUFReader
 from common.model.config import load_model_config
 from common.model.formats.gguf import SUPPORTED_TYPES, config_dict, dequantized, iter_gguf_tensors
 from common.model.formats.gguf_reader import GGUFError, read_gguf
-from common.model.weights import iter_checkpoint
+from common.model.formats.checkpoint import iter_checkpoint
 from tests.gguf_files import ROPE_THETA, TOKENS, expected_weight, hf_tiny_llama, write_tiny_llama
 
 TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]

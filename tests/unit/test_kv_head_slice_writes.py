@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.transfer import KVLayout, KVSender, plan_block_writes
+from common.kv_layout import KVLayout
+from common.transfer import KVSender, plan_block_writes
 from common.transfer.fake import FakeTransfer
 from common.transfer.kv_writes import plan_head_slice_writes
 

@@ -119,7 +119,7 @@ def record_step_order(pair, events: list) -> None:
     """Log on the step thread: each layer's KV written, each layer's MLP, each step's end."""
     engine = pair.prefill_engine
     for i, layer in enumerate(engine.model.layers):
-        attention, mlp = layer.attention, layer.mlp
+        attention, mlp = layer.self_attn.forward, layer.mlp.forward
 
         def logged_attention(*args, _f=attention, _i=i, **kwargs):
             out = _f(*args, **kwargs)
@@ -130,7 +130,7 @@ def record_step_order(pair, events: list) -> None:
             events.append(("mlp", _i))
             return _f(*args, **kwargs)
 
-        layer.attention, layer.mlp = logged_attention, logged_mlp
+        layer.self_attn.forward, layer.mlp.forward = logged_attention, logged_mlp
     execute = engine.runner.execute
 
     def logged_execute(sched, between_layers=None):

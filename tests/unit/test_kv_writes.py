@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from common.transfer import (KVLayout, KVSender, TransferError, block_runs, plan_block_reads,
+from common.kv_layout import KVLayout
+from common.transfer import (KVSender, TransferError, block_runs, plan_block_reads,
                              plan_block_writes)
 from common.transfer.fake import FakeTransfer
 

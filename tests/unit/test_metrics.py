@@ -255,7 +255,8 @@ def test_a_taken_metrics_port_stops_the_service_cleanly():
     naming it, and the gRPC port it had bound is closed again (nothing half-started)."""
     import socket
     from services.meta_server.server import create_server
-    from services.node.grpc_util import BindError, port_in_use
+    from common.bind_error import BindError
+    from services.node.grpc_util import port_in_use
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()

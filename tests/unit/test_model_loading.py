@@ -15,7 +15,8 @@ from common.engine import SamplingParams
 from common.engine.llm_engine import LLMEngine
 from common.model.config import load_model_config
 from common.model.tiny import make_tiny_model
-from common.model.weights import checkpoint_files, iter_checkpoint
+from common.model.formats.checkpoint import iter_checkpoint
+from common.model.formats.safetensors import checkpoint_files
 
 SMALL = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=320)
 

@@ -18,7 +18,7 @@ from common.engine.llm_engine import LLMEngine
 from common.config import EngineConfig, NodeConfig, TimeoutConfig, TransferConfig
 from common.transfer.fake import FakeTransfer
 from common.transfer.kv_writes import KVSender
-from common.transfer.layout import KVLayout
+from common.kv_layout import KVLayout
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.node.members_view import MembersView
 from services.node.metrics import NodeMetrics

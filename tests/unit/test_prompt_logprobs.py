@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from common.engine import SamplingParams
-from common.engine.model_runner import SCORE_SLICE_ROWS
+from common.runner.model_runner import SCORE_SLICE_ROWS
 from common.engine.sampling_params import MAX_LOGPROBS
-from common.parallel.step_inputs import INLINE_LEN, StepInputs, pack, unpack
+from common.parallel.step_wire import INLINE_LEN, pack, unpack
+from common.runner.step_inputs import StepInputs
 from tests.conftest import BLOCK_SIZE
 
 TOL = 2e-4            # float32 engine vs float32 transformers, logprobs of magnitude ~10

@@ -15,7 +15,7 @@ from common.parallel.rank_writes import RankWriters, ReadOrder, WorkerSender, Wr
 from common.transfer.base import TransferError
 from common.transfer.fake import FakeTransfer
 from common.transfer.kv_writes import KVSender
-from common.transfer.layout import KVLayout
+from common.kv_layout import KVLayout
 from services.prefill.kv_destination import (RankPairWrites, RankTarget, Staged, StagedWrites, Staging, StagingPool,
                                              destination_writes, rank_targets)
 

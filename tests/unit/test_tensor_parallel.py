@@ -22,10 +22,11 @@ from common.config import EngineConfig
 from common.engine import LLM, SamplingParams
 from common.engine.llm_engine import LLMEngine
 from common.model.config import load_model_config, model_config_from_dict
-from common.model.llama import CausalLM
+from common.model.models.llama import LlamaForCausalLM
 from common.parallel import check_role
 from common.parallel.shard import plan_shard
-from common.parallel.step_inputs import INLINE_LEN, StepInputs, pack, unpack
+from common.parallel.step_wire import INLINE_LEN, pack, unpack
+from common.runner.step_inputs import StepInputs
 from kernels import get_backend
 from tests.conftest import BLOCK_SIZE, assert_no_blocks_in_use
 from tests.unit.test_hf_equality import REL_MARGIN, count_near_tie_divergences, hf_next_token_logits
@@ -180,7 +181,7 @@ def test_rank_holds_its_share_of_the_weights(hf_saved_model):
     backend = get_backend("ref", "cpu")
     sizes = []
     for shard in (None, plan_shard(cfg, 2, 0), plan_shard(cfg, 2, 1)):
-        lm = CausalLM(cfg, backend, torch.float32, max_positions=64, shard=shard)
+        lm = LlamaForCausalLM(cfg, backend, torch.float32, max_positions=64, shard=shard)
         lm.load_weights(model)
         sizes.append(sum(p.numel() * p.element_size() for p in lm.parameters()))
     assert sizes == [4 * whole, 4 * half, 4 * half]

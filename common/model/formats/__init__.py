@@ -1,10 +1,14 @@
-"""Model file formats besides a Hugging Face folder.
+"""Model file formats.
 
-A path ending in `.gguf` is a GGUF file (llama.cpp): config, weights, tokenizer and chat
-template in one file. The HF loaders (common/model/config.py, weights.py, tokenizer.py and
-the gateway's chat_template.py) call `is_gguf(path)` first and hand such a path to
-formats/gguf.py (config + tensors) or formats/gguf_tokenizer.py (tokenizer + template).
+A model is a Hugging Face folder (config.json, safetensors, tokenizer) or a `.gguf` file
+(llama.cpp: config, weights, tokenizer and chat template in one file). The loaders
+(common/model/config.py, formats/checkpoint.py, tokenizer.py and the gateway's
+chat_template.py) call `is_gguf(path)` first and hand such a path to formats/gguf.py
+(config + tensors) or formats/gguf_tokenizer.py (tokenizer + template).
 
+    checkpoint.py       any checkpoint's tensors, one at a time, under HF names
+    safetensors.py      a HF folder's safetensors files (sharded or not, sliced reads)
+    quantization.py     the checkpoint's quantization config -> layers/quant_config.py
     gguf_reader.py      the file's layout: metadata and tensor byte views (no math)
     gguf.py             metadata -> HF config dict; tensors -> HF names, dequantized
     gguf_tokenizer.py   tokenizer.ggml.* -> a `tokenizers` BPE; the chat template

@@ -3,7 +3,7 @@
 `config_dict(file)` maps the `<arch>.*` metadata onto transformers' config keys;
 `iter_gguf_tensors(path, ...)` yields every tensor under its HF name, dequantized (gguf's
 `quants.dequantize`, float32) and cast to the dtype asked for, with the same contract as
-common/model/weights.py's iter_checkpoint (slices are applied after dequantizing).
+formats/checkpoint.py's iter_checkpoint (slices are applied after dequantizing).
 
 Q/K rows: llama.cpp's converter reorders each head's rows of attn_q / attn_k from HF's
 rotate-half layout (first half of the rotary pairs, then the second) to the interleaved
@@ -16,7 +16,7 @@ one its rope kernel wants (pairs adjacent):
 num_kv_heads), which is the inverse of convert_hf_to_gguf.py's `permute` and the same
 reordering transformers applies when it loads a GGUF.
 
-Supported: general.architecture in ARCHITECTURES, tensor types in SUPPORTED_TYPES. Any
+Supported: general.architecture in GGUF_ARCHITECTURES, tensor types in SUPPORTED_TYPES. Any
 other value is a ValueError naming the file, the key or tensor, and the allowed values.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from tqdm import tqdm
 from common.model.formats.gguf_reader import GGUFFile, TensorInfo, read_gguf
 from common.model.formats.gguf_tokenizer import eog_token_ids
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
                    T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 ROPE_SCALING_TYPES = ("none", "linear")
@@ -66,8 +66,8 @@ def config_dict(file: GGUFFile) -> dict[str, Any]:
     the tensor type that is missing or not supported."""
     path, meta = file.path, file.metadata
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"{path}: general.architecture={arch!r} is not supported; allowed: {sorted(ARCHITECTURES)}")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{path}: general.architecture={arch!r} is not supported; allowed: {sorted(GGUF_ARCHITECTURES)}")
 
     def need(key: str) -> Any:
         key = f"{arch}.{key}"
@@ -92,7 +92,7 @@ def config_dict(file: GGUFFile) -> dict[str, Any]:
         raise ValueError(f"{path}: tensor 'token_embd.weight' (the embedding) is missing")
     vocab = meta.get(f"{arch}.vocab_size") or file.tensors["token_embd.weight"].shape[0]
     cfg = {
-        "architectures": [ARCHITECTURES[arch]],
+        "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
         "hidden_size": hidden,
         "intermediate_size": int(need("feed_forward_length")),

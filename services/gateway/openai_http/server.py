@@ -20,7 +20,7 @@ import tempfile
 import uvicorn
 
 from services.gateway.openai_http.body_limit import MAX_BODY_BYTES, MAX_CONCURRENCY, BodyLimit
-from services.node.grpc_util import BindError
+from common.bind_error import BindError
 
 
 class _Server(uvicorn.Server):

@@ -1,9 +1,7 @@
-"""Runs one scheduled step through the model: builds inputs and attention metadata once,
-runs the forward pass, returns the logits of the sequences that sample this step.
+"""Runs one scheduled step on rank 0: plans it into StepInputs (plain ints), runs the
+forward pass (through the tensor-parallel executor when there is one), and hands out
+what the step computed.
 
-Token packing of a step:
-    [ d_0 d_1 ... d_{D-1} | p_0 chunk | p_1 chunk | ... ]
-      one token per decode   consecutive tokens of each prefill chunk
 A prefill chunk samples only when it reaches the end of its sequence's tokens.
 
 Score rows (a sequence that wants its prompt's logits: Sequence.wants_prompt_logits): the
@@ -17,7 +15,7 @@ prompt token:
 Their logits are computed after the sample rows, SCORE_SLICE_ROWS rows at a time (a
 2048-token chunk never holds [2048, vocab] at once), and each slice goes, cut at
 sequence boundaries, to `on_prompt_logits(seq, first position, float32 logits [k, vocab])`
-on rank 0 before the next slice is computed.
+before the next slice is computed.
 
 Layer hooks: a prefill sequence whose `on_computed` has an `on_layer` attribute gets
 `on_computed.on_layer(seq, layer, start, end)` on the step thread inside the forward pass,
@@ -25,13 +23,9 @@ right after layer `layer` wrote the KV of its chunk's tokens [start, end) (in la
 every layer, before the step's `on_computed(seq, start, end)`); on a device the runner
 first waits for the kernels queued so far, so the callee may read those bytes at once.
 
-A step is planned as ints (`plan` -> StepInputs), then made tensors (`tensors`) and run
-(`forward`). At tensor parallelism rank 0 plans, the executor sends the StepInputs to
-the other ranks, and each rank's runner runs `forward` on its shard
-(common/parallel/); layer hooks run on rank 0 only. The logits of each slice (sample
-rows, then each slice of score rows) are one collective (the vocab-parallel head's
-gather), so every rank computes the same rows in the same slices: the score rows travel
-in the StepInputs.
+At tensor parallelism the executor sends the StepInputs to the other ranks, and each
+rank's ModelRunner (common/runner/) runs `forward` on its shard; layer hooks run on rank 0
+only; the score rows travel in the StepInputs.
 """
 from __future__ import annotations
 
@@ -42,27 +36,8 @@ import torch
 
 from common.engine.scheduler import SchedulerOutput
 from common.engine.sequence import Sequence
-from common.model.llama import CausalLM, StepBatch
-from common.parallel.step_inputs import StepInputs
-from kernels import DecodeMetadata, PrefillMetadata
-
-
-def load_rank(mcfg, backend, dtype: torch.dtype, device: torch.device, model_dir: str, shard,
-              max_model_len: int, num_blocks: int, block_size: int) -> tuple[CausalLM, torch.Tensor]:
-    """One rank's model (its shard's weights, read from model_dir, on device, linears
-    prepared) and its zeroed KV cache [num_layers, 2, num_blocks, block_size, its KV
-    heads, head_dim]: what rank 0 (LLMEngine) and every worker (common/parallel/worker.py)
-    build alike."""
-    model = CausalLM(mcfg, backend, dtype, max_positions=max_model_len, shard=shard)
-    model.load_weights(model_dir)
-    model.to(device)
-    model.prepare_linears()
-    kv_cache = torch.zeros(mcfg.num_layers, 2, num_blocks, block_size, shard.num_kv_heads, mcfg.head_dim,
-                           dtype=dtype, device=device)
-    return model, kv_cache
-
-
-SCORE_SLICE_ROWS = 256    # score rows whose logits are computed at once
+from common.runner.model_runner import ModelRunner
+from common.runner.step_inputs import StepInputs
 
 
 @dataclass(frozen=True)
@@ -81,18 +56,18 @@ def _padded(tables: list[list[int]]) -> list[list[int]]:
     return [t + [0] * (width - len(t)) for t in tables]
 
 
-class ModelRunner:
-    """tp: at tensor_parallel_size > 1 on rank 0, the executor that sends each step's
-    inputs to the other ranks and guards the collectives (common/parallel/executor.py);
-    None at 1, where a step does nothing beyond the forward pass."""
+class StepRunner:
+    """rank: this process's ModelRunner (rank 0's). tp: at tensor_parallel_size > 1, the
+    executor that sends each step's inputs to the other ranks and guards the collectives
+    (common/parallel/executor.py); None at 1, where a step does nothing beyond the
+    forward pass."""
 
-    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int, tp=None):
-        self.model = model
-        self.kv_cache = kv_cache
-        self.block_size = block_size
-        self.device = kv_cache.device
+    def __init__(self, rank: ModelRunner, tp=None):
+        self.rank = rank
+        self.block_size = rank.block_size
+        self.device = rank.device
         self.tp = tp
-        # rank 0: (seq, first position, float32 logits [k, vocab]) of score rows; None: not kept
+        # (seq, first position, float32 logits [k, vocab]) of score rows; None: not kept
         self.on_prompt_logits: Callable[[Sequence, int, torch.Tensor], None] | None = None
 
     def plan(self, sched: SchedulerOutput) -> tuple[StepInputs, list[Sequence], list[ScoreSpan]]:
@@ -134,36 +109,6 @@ class ModelRunner:
             inputs.prefill_tables = _padded([s.block_ids for s in sched.prefill_seqs])
         return inputs, sample_seqs, spans
 
-    def tensors(self, inputs: StepInputs) -> tuple[torch.Tensor, StepBatch]:
-        """(input_ids, batch) on this runner's device."""
-        dev = self.device
-        decode = prefill = None
-        if inputs.decode_lens:
-            lens = inputs.decode_lens
-            decode = DecodeMetadata(seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-                                    block_tables=torch.tensor(inputs.decode_tables, dtype=torch.int32, device=dev),
-                                    seq_lens_list=lens)
-        if inputs.query_lens:
-            starts = [0]
-            for n in inputs.query_lens:
-                starts.append(starts[-1] + n)
-            prefill = PrefillMetadata(
-                query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-                seq_lens=torch.tensor(inputs.kv_lens, dtype=torch.int32, device=dev),
-                block_tables=torch.tensor(inputs.prefill_tables, dtype=torch.int32, device=dev),
-                query_lens_list=inputs.query_lens, seq_lens_list=inputs.kv_lens)
-        batch = StepBatch(
-            positions=torch.tensor(inputs.positions, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(inputs.slots, dtype=torch.int64, device=dev),
-            num_decode_tokens=len(inputs.decode_lens), decode=decode, prefill=prefill)
-        return torch.tensor(inputs.input_ids, dtype=torch.int64, device=dev), batch
-
-    def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, StepBatch, list[int], list[Sequence]]:
-        """(input_ids, batch, logits row indices, sampling sequences) for a step."""
-        inputs, seqs, _ = self.plan(sched)
-        ids, batch = self.tensors(inputs)
-        return ids, batch, inputs.sample_rows, seqs
-
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, between_layers: Callable[[int], None] | None = None
                 ) -> tuple[torch.Tensor | None, list[Sequence]]:
@@ -176,41 +121,9 @@ class ModelRunner:
         inputs, seqs, spans = self.plan(sched)
         on_scores = self._score_router(spans)
         if self.tp is None:
-            return self.forward(inputs, self._layer_hook(sched, between_layers), between_layers, on_scores), seqs
+            return self.rank.forward(inputs, self._layer_hook(sched, between_layers), between_layers, on_scores), seqs
         with self.tp.step(inputs):
-            return self.forward(inputs, self._layer_hook(sched, between_layers), between_layers, on_scores), seqs
-
-    @torch.inference_mode()
-    def forward(self, inputs: StepInputs, on_layer: Callable[[int], None] | None = None,
-                before_logits: Callable[[int], None] | None = None,
-                on_scores: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor | None:
-        """The forward pass of a step's inputs on this rank: logits of the sample rows
-        (None when none samples, and on ranks other than 0). before_logits(num_layers):
-        called after the last layer. The score rows' logits, SCORE_SLICE_ROWS at a time
-        on every rank: on_scores(offset into score_rows, float32 logits [k, vocab]) on
-        rank 0 (each slice is dropped once it returns)."""
-        input_ids, batch = self.tensors(inputs)
-        hidden = self.model(input_ids, batch, self.kv_cache, on_layer)
-        if before_logits is not None:
-            before_logits(len(self.model.layers))
-        rows = inputs.sample_rows
-        logits = None
-        if rows:
-            picked = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=self.device)]
-            logits = self.model.logits(picked)
-        scored = inputs.score_rows
-        failed: BaseException | None = None
-        for offset in range(0, len(scored), SCORE_SLICE_ROWS):
-            part = torch.tensor(scored[offset:offset + SCORE_SLICE_ROWS], device=self.device)
-            part_logits = self.model.logits(hidden[part])
-            if part_logits is not None and on_scores is not None and failed is None:
-                try:
-                    on_scores(offset, part_logits)
-                except Exception as e:   # every slice still computed: the other ranks wait in its gather
-                    failed = e
-        if failed is not None:
-            raise failed
-        return logits
+            return self.rank.forward(inputs, self._layer_hook(sched, between_layers), between_layers, on_scores), seqs
 
     def _score_router(self, spans: list[ScoreSpan]) -> Callable[[int, torch.Tensor], None] | None:
         """forward's on_scores for these spans: each slice cut at sequence boundaries and

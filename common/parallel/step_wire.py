@@ -1,4 +1,4 @@
-"""One step's model inputs as plain ints (StepInputs), and their wire form for the
+"""The wire form of one step's model inputs (common/runner/step_inputs.py) for the
 tensor-parallel ranks: one int64 tensor that rank 0 broadcasts.
 
 Wire form (int64; tables are padded to their width with block 0, as the runner pads):
@@ -22,29 +22,15 @@ with them, and gloo broadcasts only tensors (costs: common/parallel/executor.py)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+
+from common.runner.step_inputs import StepInputs
 
 HEADER_LEN = 8
 INLINE_LEN = 4096          # 32 KiB: a step of ~1000 tokens or 64 decodes of 1000+ tokens
 OP_STOP, OP_STEP, OP_GATHER_KV = 0, 1, 2
-
-
-@dataclass
-class StepInputs:
-    """What ModelRunner builds a step's tensors from; the same on every rank."""
-
-    input_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    decode_lens: list[int] = field(default_factory=list)
-    decode_tables: list[list[int]] = field(default_factory=list)    # padded rows
-    query_lens: list[int] = field(default_factory=list)
-    kv_lens: list[int] = field(default_factory=list)
-    prefill_tables: list[list[int]] = field(default_factory=list)   # padded rows
-    sample_rows: list[int] = field(default_factory=list)
-    score_rows: list[int] = field(default_factory=list)     # rows of prompt positions to score
 
 
 def _flat(rows: list[list[int]]) -> tuple[int, list[int]]:

@@ -1,12 +1,11 @@
-"""Safetensors checkpoint reading: one file or HF shards with `model.safetensors.index.json`
-(or a .gguf file, handed to common/model/formats/gguf.py).
+"""Safetensors checkpoints: one file or HF shards with `model.safetensors.index.json`.
 
-`iter_checkpoint` yields (tensor name, tensor, file) one tensor at a time so a loader can
-copy each straight into its destination and never holds two copies of the model. With
-`slices` (name -> index tuple), those tensors are read in part (safetensors get_slice):
-a tensor-parallel rank reads only its shard, so it never holds the whole model either. A
-progress line per file goes to the `pdmesh.model` logger, and a progress bar of bytes and
-tensors (tqdm) to the terminal when stderr is one, or to the `progress` stream given.
+`iter_safetensors` yields one tensor at a time so a loader can copy each straight into
+its destination and never holds two copies of the model. With `slices` (name -> index
+tuple), those tensors are read in part (safetensors get_slice): a tensor-parallel rank
+reads only its shard, so it never holds the whole model either. A progress line per file
+goes to the `pdmesh.model` logger, and a progress bar of bytes and tensors (tqdm) to the
+terminal when stderr is one, or to the `progress` stream given.
 """
 from __future__ import annotations
 
@@ -51,22 +50,13 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     raise FileNotFoundError(f"{root}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file")
 
 
-def iter_checkpoint(model_dir: str | Path, progress: TextIO | None = None,
-                    slices: Mapping[str, tuple[slice, ...]] | None = None,
-                    with_shape: bool = False, dtype: torch.dtype | None = None
-                    ) -> Iterator[tuple[str, torch.Tensor, Path]]:
+def iter_safetensors(model_dir: str | Path, progress: TextIO | None = None,
+                     slices: Mapping[str, tuple[slice, ...]] | None = None,
+                     with_shape: bool = False) -> Iterator[tuple]:
     """(name, tensor, file), or (name, tensor, file, full shape) with with_shape; tensor
-    is tensor[slices[name]] for a name in slices (only that part is read). progress:
-    where the bar goes; None = stderr, shown only when it is a terminal. The bar counts
-    the checkpoint's bytes, read or skipped. model_dir may be a .gguf file: its tensors
-    come under their HF names, dequantized to dtype (None: float32) before slicing
-    (formats/gguf.py); safetensors tensors come as stored, whatever dtype says."""
-    from common.model.formats import is_gguf
-    if is_gguf(model_dir):
-        from common.model.formats.gguf import iter_gguf_tensors
-        yield from iter_gguf_tensors(model_dir, progress=progress, slices=slices, with_shape=with_shape,
-                                     dtype=dtype or torch.float32)
-        return
+    is tensor[slices[name]] for a name in slices (only that part is read), as stored.
+    progress: where the bar goes; None = stderr, shown only when it is a terminal. The
+    bar counts the checkpoint's bytes, read or skipped."""
     slices = slices or {}
     files = checkpoint_files(model_dir)
     headers = [_header(path) for path in files]

@@ -1,0 +1,58 @@
+"""Which quantization a checkpoint uses, from its own files:
+
+    config.json "quantization_config"      compressed-tensors, GPTQ, AWQ, fp8, ... (HF)
+    quant_model_description*.json          Ascend msModelSlim (config.json says nothing)
+    neither, or a .gguf file               float (GGUF blocks are dequantized at load)
+
+A scheme the engine cannot run is refused here, at load, with the file and the scheme
+named: read as float, its int8 codes and scales would be garbage or a pile of
+"unexpected tensor" errors.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from common.model.formats import is_gguf
+from common.model.layers.quant_config import FloatConfig, QuantizationConfig
+
+SUPPORTED = ("float",)
+
+
+def _description_files(root: Path) -> list[Path]:
+    return sorted(root.glob("quant_model_description*.json"))
+
+
+def quantization_of(model_dir: str | Path) -> str:
+    """"float", or the scheme named by the checkpoint (e.g. "compressed-tensors",
+    "msmodelslim W8A8_DYNAMIC"); ValueError naming the file when it cannot be read."""
+    root = Path(model_dir)
+    if is_gguf(root):
+        return "float"
+    descriptions = _description_files(root)
+    if descriptions:
+        try:
+            raw = json.loads(descriptions[0].read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{descriptions[0]}: invalid JSON ({e})") from None
+        return f"msmodelslim {raw.get('model_quant_type', 'unknown')}"
+    config = root / "config.json"
+    if config.is_file():
+        try:
+            quant = json.loads(config.read_text()).get("quantization_config")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{config}: invalid JSON ({e})") from None
+        if quant:
+            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+            return str(method)
+    return "float"
+
+
+def quantization_config(model_dir: str | Path) -> QuantizationConfig:
+    """The checkpoint's QuantizationConfig; ValueError naming the model and its scheme when
+    the engine has no linear method for it."""
+    scheme = quantization_of(model_dir)
+    if scheme == "float":
+        return FloatConfig()
+    raise ValueError(f"{model_dir}: quantization {scheme!r} is not supported; supported: {list(SUPPORTED)} "
+                     f"(float32, bfloat16 or float16 safetensors, or GGUF)")

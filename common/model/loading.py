@@ -1,0 +1,50 @@
+"""Copy a checkpoint into a model's parameters, by the model's weight slots.
+
+Every checkpoint tensor is taken by exactly one slot or is named in the model's ignore
+list; anything else is an error naming it, and so is a slot no tensor filled (a loader
+that drops a tensor ships garbage). A tensor-parallel rank reads only its part of each
+tensor (the slot's `source`)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from common.model.formats.checkpoint import iter_checkpoint
+from common.model.layers.weight_slots import Slot
+
+
+class Loadable(Protocol):
+    def weight_slots(self) -> dict[str, Slot]: ...
+
+    def ignored_tensors(self) -> tuple[set[str], tuple[str, ...]]:
+        """(names, name suffixes) of checkpoint tensors the model does not read."""
+        ...
+
+
+@torch.inference_mode()
+def load_weights(model: Loadable, model_dir: str | Path, dtype: torch.dtype, what: str) -> None:
+    """ValueError naming the file and the tensor on an unexpected tensor or a shape
+    mismatch; naming the tensors when any is missing. what: the model, for the errors."""
+    slots = model.weight_slots()
+    ignored_names, ignored_suffixes = model.ignored_tensors()
+    sources = {name: slot.source for name, slot in slots.items() if slot.source is not None}
+    for name in ignored_names:
+        sources[name] = (slice(0, 0),)   # read none of it
+    loaded: set[str] = set()
+    for name, tensor, path, shape in iter_checkpoint(model_dir, slices=sources, with_shape=True, dtype=dtype):
+        slot = slots.get(name)
+        if slot is None:
+            if name in ignored_names or name.endswith(ignored_suffixes):
+                continue
+            raise ValueError(f"{path}: unexpected tensor {name!r} for {what}")
+        if shape != slot.full_shape:
+            raise ValueError(f"{path}: tensor {name!r} has shape {shape}, expected {slot.full_shape} "
+                             f"from config.json")
+        slot.param.data[slot.start:slot.end].copy_(tensor)
+        loaded.add(name)
+    missing = sorted(set(slots) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"{model_dir}: checkpoint is missing {len(missing)} tensor(s): {shown}")

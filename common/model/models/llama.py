@@ -1,0 +1,141 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3): GQA attention and a gated MLP
+per layer, pre-norm residuals, over a paged KV cache.
+
+    h = embed(ids)
+    for each layer:  h += attn(rms(h));  h += mlp(rms(h))
+    hidden = rms(h);  logits = lm_head(hidden rows that sample)
+
+The families differ only in config (biases, Qwen3's q/k norms, tied head), resolved in
+common/model/config.py. KV cache: one tensor [num_layers, 2, num_blocks, block_size,
+num_kv_heads, head_dim]; layer l reads kv_cache[l, 0] (keys) and kv_cache[l, 1] (values).
+Layers, linear methods and tensor-parallel sharding live in common/model/layers/.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import nn
+
+from common.model.config import ModelConfig
+from common.model.layers.attention import GQAAttention
+from common.model.layers.embedding import LMHead, VocabEmbedding
+from common.model.layers.linear import Linear
+from common.model.layers.mlp import GatedMLP
+from common.model.layers.norm import RMSNorm
+from common.model.layers.quant_config import FloatConfig, QuantizationConfig
+from common.model.layers.weight_slots import Slot
+from common.model.loading import load_weights
+from common.model.step_batch import StepBatch
+from common.parallel.shard import TPShard, whole_model
+from kernels import Backend, rope_cos_sin, rope_inv_freq
+
+if TYPE_CHECKING:
+    from common.parallel.group import TPGroup
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, shard: TPShard, quant: QuantizationConfig, prefix: str,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = GQAAttention(cfg, shard, quant, prefix + "self_attn.", dtype)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, shard, quant, prefix + "mlp.", dtype,
+                            bias=cfg.mlp_bias)
+
+    def weight_slots(self, prefix: str) -> dict[str, Slot]:
+        return {**self.input_norm.weight_slots(prefix + "input_layernorm"),
+                **self.self_attn.weight_slots(prefix + "self_attn."),
+                **self.post_attn_norm.weight_slots(prefix + "post_attention_layernorm"),
+                **self.mlp.weight_slots(prefix + "mlp.")}
+
+
+class LlamaForCausalLM(nn.Module):
+    """Inference-only. `forward` returns final hidden states; `logits` projects the rows
+    that need sampling. Build, `load_weights`, `.to(device)`, `prepare_linears`, then run;
+    at tensor parallelism `attach_group` before the first forward."""
+
+    def __init__(self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype = torch.float32,
+                 max_positions: int | None = None, shard: TPShard | None = None,
+                 quant: QuantizationConfig | None = None):
+        super().__init__()
+        self.cfg, self.backend, self.dtype = cfg, backend, dtype
+        self.shard = sh = shard or whole_model(cfg)
+        self.quant = quant = quant or FloatConfig()
+        self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, sh, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, sh, quant, f"model.layers.{i}.", dtype)
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, sh, dtype,
+                              tied_to=self.embed if cfg.tie_word_embeddings else None)
+        self.group: TPGroup | None = None
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = rope_cos_sin(inv_freq, max_positions or cfg.max_position_embeddings)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.dense_bytes: dict[str, int] = {}   # parameter name -> bytes before prepare_linears
+
+    def weight_slots(self) -> dict[str, Slot]:
+        slots = {**self.embed.weight_slots("model.embed_tokens"), **self.norm.weight_slots("model.norm"),
+                 **self.lm_head.weight_slots("lm_head")}
+        for i, layer in enumerate(self.layers):
+            slots.update(layer.weight_slots(f"model.layers.{i}."))
+        return slots
+
+    def ignored_tensors(self) -> tuple[set[str], tuple[str, ...]]:
+        # a tied checkpoint may still carry a copy of the head; older ones their rotary tables
+        return ({"lm_head.weight"} if self.cfg.tie_word_embeddings else set()), ("rotary_emb.inv_freq",)
+
+    def load_weights(self, model_dir: str | Path) -> None:
+        """The checkpoint (a HF folder or a .gguf file) into the parameters; a shard reads
+        only its slices. ValueError naming the file and the tensor on a shape mismatch or
+        an unexpected tensor; naming the tensors when any is missing."""
+        load_weights(self, model_dir, self.dtype, self.cfg.architecture)
+
+    def linears(self) -> Iterator[tuple[str, Linear]]:
+        return ((name, m) for name, m in self.named_modules() if isinstance(m, Linear))
+
+    def attach_group(self, group: TPGroup) -> None:
+        """The rank's tensor-parallel group (tensor_parallel_size > 1), before the first
+        forward; the collectives run in the same order on every rank."""
+        self.group = self.embed.group = self.lm_head.group = group
+        for _, linear in self.linears():
+            linear.attach_group(group)
+
+    def prepare_linears(self) -> None:
+        """After load_weights and .to(device), before the first forward: every linear's
+        method processes its weights, and the LM head gets the backend's prepared form.
+        Once only: a packed parameter's dense storage is gone."""
+        if self.lm_head.prepared is not None:
+            raise RuntimeError("prepare_linears() was already called")
+        self.dense_bytes = {name: p.numel() * p.element_size() for name, p in self.named_parameters()}
+        for _, linear in self.linears():
+            linear.prepare(self.backend)
+        self.lm_head.prepare(self.backend)
+
+    def forward(self, input_ids: torch.Tensor, batch: StepBatch, kv_cache: torch.Tensor,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """on_layer(i), when given, is called on this thread right after layer i's attention
+        wrote the step's KV into kv_cache[i] (before its MLP and the layers above): a hook
+        for pushing KV layer by layer. On a device the kernels may still be queued then."""
+        if self.lm_head.prepared is None:
+            raise RuntimeError("prepare_linears() must run after loading, before forward")
+        backend, cos, sin = self.backend, self.rope_cos, self.rope_sin
+        h = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn(layer.input_norm(h, backend), batch, kv_cache[i, 0], kv_cache[i, 1],
+                                   backend, cos, sin)
+            if on_layer is not None:
+                on_layer(i)
+            h = h + attn
+            h = h + layer.mlp(layer.post_attn_norm(h, backend), backend)
+        return self.norm(h, backend)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 [rows, vocab]; at tensor parallelism every rank computes its vocab
+        columns and rank 0 gets them all (None on the other ranks)."""
+        return self.lm_head(hidden, self.backend)
+
