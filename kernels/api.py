@@ -129,6 +129,28 @@ class Backend(ABC):
         """x [..., in_features] @ weight^T + bias, weight as prepare_linear returned it."""
         return F.linear(x, weight, bias)
 
+    int8_path: str = "exact float64 matmul of the int8 codes (reference)"   # said at start-up
+
+    def quantize_per_token(self, x: torch.Tensor, divisor: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dynamic symmetric int8 of each row of x [rows, features]: scale = max|row| /
+        divisor (127, or 127.5 by compressed-tensors' convention; 1 for an all-zero row),
+        q = clamp(round(x / scale), -128, 127), rounding half to even, in float32.
+        Returns (int8 [rows, features], float32 [rows, 1])."""
+        xf = x.float()
+        amax = xf.abs().amax(dim=-1, keepdim=True)
+        scale = torch.where(amax > 0, amax / divisor, torch.ones_like(amax))
+        return torch.round(xf / scale).clamp_(-128, 127).to(torch.int8), scale
+
+    def prepare_int8_weight(self, weight: torch.Tensor) -> Any:
+        """The form `int8_matmul` takes an int8 weight [out_features, in_features] in; the
+        caller drops its own reference when the result is not `weight`. Default: as is."""
+        return weight
+
+    def int8_matmul(self, x_q: torch.Tensor, weight: Any) -> torch.Tensor:
+        """int8 [rows, in] @ int8 weight^T (as prepare_int8_weight returned it) -> int32
+        [rows, out], exact. Default: in float64, exact while in_features * 128^2 < 2^53."""
+        return (x_q.double() @ weight.double().t()).to(torch.int32)
+
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x * rsqrt(mean(x^2) + eps) * weight, computed in float32, returned in x's dtype."""

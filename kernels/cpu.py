@@ -41,8 +41,30 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return False
 
 
+def cpu_flags() -> set[str]:
+    """The instruction-set flags of this CPU (/proc/cpuinfo; empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def int8_gemm_path() -> str:
+    """What torch._int_mm runs on this CPU (oneDNN's VNNI/AMX kernels, or ATen's exact loop)."""
+    flags = cpu_flags()
+    found = [name for flag, name in (("amx_int8", "AMX-INT8"), ("avx512_vnni", "AVX512-VNNI"),
+                                     ("avx_vnni", "AVX-VNNI")) if flag in flags]
+    if found:
+        return f"torch._int_mm on oneDNN ({', '.join(found)})"
+    return "torch._int_mm without VNNI (an exact but slow loop)"
+
+
 class CpuBackend(RefBackend):
-    """ref's kernels; linear layers on oneDNN-packed weights."""
+    """ref's kernels; linear layers on oneDNN-packed weights; int8 GEMMs on torch._int_mm."""
 
     name = "cpu"
 
@@ -51,6 +73,16 @@ class CpuBackend(RefBackend):
         if device is not None and torch.device(device).type != "cpu":
             raise ImportError(f"the cpu kernel backend runs on device cpu only, not {device}")
         self.extension = paged_decode()
+
+    @property
+    def int8_path(self) -> str:
+        return int8_gemm_path()
+
+    def prepare_int8_weight(self, weight: torch.Tensor) -> Any:
+        return weight.t().contiguous()     # [in, out]: _int_mm's right-hand side
+
+    def int8_matmul(self, x_q: torch.Tensor, weight: Any) -> torch.Tensor:
+        return torch._int_mm(x_q.contiguous(), weight)
 
     def decode(self, query, k_cache, v_cache, meta: DecodeMetadata, scale: float) -> torch.Tensor:
         if self.extension is None or query.shape[0] == 0:

@@ -124,8 +124,6 @@ def test_every_linear_of_a_float_model_gets_the_float_method_and_rank_rows(tmp_p
 
 
 @pytest.mark.parametrize("files, named", [
-    ({"config.json": {"quantization_config": {"quant_method": "compressed-tensors", "format": "int-quantized"}}},
-     "'compressed-tensors'"),
     ({"quant_model_description.json": {"model_quant_type": "W8A8", "version": "1.0.0"}}, "'msmodelslim W8A8'"),
     ({"config.json": {"quantization_config": {"quant_method": "gptq", "bits": 4}}}, "'gptq'"),
 ])
@@ -136,5 +134,5 @@ def test_a_quantized_checkpoint_is_refused_at_load_with_its_scheme(tmp_path, fil
         raw = json.loads(path.read_text()) if path.exists() else {}
         path.write_text(json.dumps({**raw, **extra}))
     with pytest.raises(ValueError, match=rf"{model}: quantization {named} is not supported; supported: "
-                                         r"\['float'\]"):
+                                         r"\['float', 'compressed-tensors'\]"):
         LLMEngine(EngineConfig(model=str(model), num_blocks=64))

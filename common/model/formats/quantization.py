@@ -16,7 +16,7 @@ from pathlib import Path
 from common.model.formats import is_gguf
 from common.model.layers.quant_config import FloatConfig, QuantizationConfig
 
-SUPPORTED = ("float",)
+SUPPORTED = ("float", "compressed-tensors")
 
 
 def _description_files(root: Path) -> list[Path]:
@@ -54,5 +54,9 @@ def quantization_config(model_dir: str | Path) -> QuantizationConfig:
     scheme = quantization_of(model_dir)
     if scheme == "float":
         return FloatConfig()
+    if scheme == "compressed-tensors":
+        from common.model.formats.compressed_tensors import CompressedTensorsConfig
+        config = Path(model_dir) / "config.json"
+        return CompressedTensorsConfig(json.loads(config.read_text())["quantization_config"], str(config))
     raise ValueError(f"{model_dir}: quantization {scheme!r} is not supported; supported: {list(SUPPORTED)} "
-                     f"(float32, bfloat16 or float16 safetensors, or GGUF)")
+                     f"(float: float32, bfloat16 or float16 safetensors, or GGUF)")

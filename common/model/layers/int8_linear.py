@@ -1,0 +1,59 @@
+"""W8A8 with dynamic activations: weights int8 per output channel (symmetric), activations
+int8 per token, quantized at run time; the int8 GEMM accumulates exactly in int32.
+
+    s_x[m] = max_k |x[m, k]| / divisor            (per token, backend.quantize_per_token)
+    x_q    = clamp(round(x / s_x), -128, 127)
+    y[m,n] = (x_q @ W_q^T)[m, n] * s_x[m] * s_w[n] + b[n]
+
+Checkpoint tensors of each projection: `weight` int8 [out, in], `weight_scale` [out, 1]
+(any float dtype; kept in float32). `divisor` is the producer's convention: 127.5 for
+compressed-tensors (its symmetric range (127 - (-128)) / 2), 127 for msModelSlim.
+
+Under tensor parallelism a row-parallel layer quantizes its own columns of each token,
+so its scales are the rank's, as in vLLM: the result differs from tensor_parallel_size 1
+by the rounding of those scales.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.model.layers.linear import Linear, LinearMethod, WeightSpec
+
+if TYPE_CHECKING:
+    from kernels import Backend
+
+log = logging.getLogger("pdmesh.model")
+
+
+class Int8DynamicLinearMethod(LinearMethod):
+    scheme = "W8A8_DYNAMIC"
+
+    def __init__(self, divisor: float):
+        self.divisor = divisor
+        self._told: set[int] = set()    # backends whose int8 path was logged
+
+    def weight_specs(self, layer: Linear) -> list[WeightSpec]:
+        return [WeightSpec("weight", rows="out", cols="in", dtype=torch.int8),
+                WeightSpec("weight_scale", rows="out", cols=1, dtype=torch.float32)]
+
+    def process_after_loading(self, layer: Linear, backend: Backend) -> None:
+        if id(backend) not in self._told:
+            self._told.add(id(backend))
+            log.info("W8A8 dynamic linear layers: %s", backend.int8_path)
+        dense = layer.weight.data
+        layer.prepared = backend.prepare_int8_weight(dense)
+        if layer.prepared is not dense:
+            layer.weight.data = dense.new_empty(0)
+        layer.weight_scale.data = layer.weight_scale.data.reshape(1, -1).contiguous()   # [1, out]
+
+    def apply(self, layer: Linear, backend: Backend, x: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        x_q, x_scale = backend.quantize_per_token(rows, self.divisor)
+        out = backend.int8_matmul(x_q, layer.prepared).float().mul_(x_scale).mul_(layer.weight_scale)
+        if bias is not None:
+            out += bias.float()
+        return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
