@@ -151,6 +151,21 @@ class Backend(ABC):
         [rows, out], exact. Default: in float64, exact while in_features * 128^2 < 2^53."""
         return (x_q.double() @ weight.double().t()).to(torch.int32)
 
+    int4_path: str = "weights dequantized once at load (reference)"   # said at start-up
+
+    def prepare_int4_weight(self, codes: torch.Tensor, scale: torch.Tensor, group_size: int,
+                            dtype: torch.dtype) -> Any:
+        """The form `int4_linear` takes a group-quantized 4-bit weight in: codes int32 [out,
+        in] holding q + 8 (0..15), scale float32 [out, in / group_size]; the weight is
+        (codes - 8) * scale, group by group along the inputs. Default: that weight in
+        dtype, dequantized once."""
+        weight = (codes - 8).to(torch.float32) * scale.repeat_interleave(group_size, dim=1)
+        return weight.to(dtype)
+
+    def int4_linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., in] @ weight^T + bias, weight as prepare_int4_weight returned it."""
+        return F.linear(x, weight, bias)
+
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x * rsqrt(mean(x^2) + eps) * weight, computed in float32, returned in x's dtype."""

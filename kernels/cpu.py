@@ -19,6 +19,7 @@ go through F.linear, as on `ref`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,6 +40,16 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     if dtype == torch.float16:
         return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     return False
+
+
+@dataclass(frozen=True)
+class Int4Packed:
+    """A 4-bit weight as torch's CPU int4 matmul takes it: the repacked codes and
+    [in / group, out, 2] (scale, zero = 0) pairs; weight = (code - 8) * scale."""
+
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    group_size: int
 
 
 def cpu_flags() -> set[str]:
@@ -83,6 +94,25 @@ class CpuBackend(RefBackend):
 
     def int8_matmul(self, x_q: torch.Tensor, weight: Any) -> torch.Tensor:
         return torch._int_mm(x_q.contiguous(), weight)
+
+    int4_path = "torch._weight_int4pack_mm_for_cpu on a repacked weight"
+
+    def prepare_int4_weight(self, codes: torch.Tensor, scale: torch.Tensor, group_size: int,
+                            dtype: torch.dtype) -> Any:
+        if dtype != torch.float32 or codes.shape[0] % 16:   # its repack needs 16 | out_features
+            return super().prepare_int4_weight(codes, scale, group_size, dtype)
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+        scales_and_zeros = torch.stack([scale.t(), torch.zeros_like(scale.t())], dim=-1).contiguous()
+        return Int4Packed(packed, scales_and_zeros, group_size)
+
+    def int4_linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        if not isinstance(weight, Int4Packed):
+            return super().int4_linear(x, weight, bias)
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch._weight_int4pack_mm_for_cpu(rows, weight.packed, weight.group_size, weight.scales_and_zeros)
+        if bias is not None:
+            out = out + bias
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def decode(self, query, k_cache, v_cache, meta: DecodeMetadata, scale: float) -> torch.Tensor:
         if self.extension is None or query.shape[0] == 0:

@@ -5,6 +5,10 @@ compressed-tensors W8A8 (llm-compressor's `W8A8` preset, format `int-quantized`)
 decoder projection's `weight` becomes int8 codes, symmetric per output channel with
 compressed-tensors' scale max|w| / 127.5, next to `weight_scale` [out, 1] in the model's
 dtype; activations are quantized per token at run time; `lm_head` stays float.
+
+compressed-tensors W4A16 (format `pack-quantized`): `weight_packed` int32 [out, in / 8]
+(code j at bits 4 * (j % 8), stored as q + 8), `weight_scale` [out, in / group] with the
+scale max|w| / 7.5 of each group, `weight_shape` [2].
 """
 from __future__ import annotations
 
@@ -35,6 +39,16 @@ W8A8_CONFIG = {
 }
 
 
+def w4a16_config(group_size: int) -> dict:
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                            "group_size": group_size, "dynamic": False, "observer": "minmax"},
+                "input_activations": None, "output_activations": None}},
+            "ignore": ["lm_head"], "kv_cache_scheme": None}
+
+
 def is_projection(name: str) -> bool:
     return name.endswith(".weight") and name.rsplit(".", 2)[-2] in PROJECTIONS
 
@@ -45,6 +59,74 @@ def quantize_per_channel(weight: torch.Tensor, divisor: float) -> tuple[torch.Te
     scale = (w.abs().amax(dim=1, keepdim=True) / divisor).clamp_min(1e-12)
     codes = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
     return codes, scale.to(weight.dtype)
+
+
+def quantize_per_group(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 codes (in int8, -8..7) and the scale [out, in / group] of symmetric per-group
+    quantization with compressed-tensors' divisor 7.5."""
+    w = weight.double()
+    groups = w.reshape(w.shape[0], -1, group_size)
+    scale = (groups.abs().amax(dim=-1) / 7.5).clamp_min(1e-12)
+    codes = torch.round(groups / scale.unsqueeze(-1)).clamp(-8, 7).reshape(w.shape).to(torch.int8)
+    return codes, scale.to(weight.dtype)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes -8..7 [rows, cols] -> int32 [rows, cols / 8], code j at bits 4 * (j % 8) as q + 8."""
+    stored = (codes.to(torch.int64) + 8).reshape(codes.shape[0], -1, 8)
+    words = (stored << torch.arange(0, 32, 4, dtype=torch.int64)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def dequantized_w4a16(tensors: dict, name: str, group_size: int) -> torch.Tensor:
+    """float64 weight of a W4A16 projection (name: its `....weight`) from its own tensors."""
+    prefix = name[:-len("weight")]
+    packed = tensors[prefix + "weight_packed"].to(torch.int64) & 0xFFFFFFFF
+    codes = ((packed.unsqueeze(-1) >> torch.arange(0, 32, 4)) & 0xF).reshape(packed.shape[0], -1) - 8
+    return codes.double() * tensors[prefix + "weight_scale"].double().repeat_interleave(group_size, dim=1)
+
+
+def write_compressed_tensors_w4a16(float_dir: Path, out_dir: Path, group_size: int) -> Path:
+    """A copy of float_dir with its projections W4A16-quantized (groups of group_size inputs)."""
+    out_dir = Path(out_dir)
+    shutil.copytree(float_dir, out_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    tensors = {}
+    for path in sorted(Path(float_dir).glob("*.safetensors")):
+        tensors.update(load_file(path))
+    out = {}
+    for name, tensor in tensors.items():
+        if is_projection(name):
+            codes, scale = quantize_per_group(tensor, group_size)
+            prefix = name[:-len("weight")]
+            out[prefix + "weight_packed"] = pack_int4(codes)
+            out[prefix + "weight_scale"] = scale
+            out[prefix + "weight_shape"] = torch.tensor(tensor.shape, dtype=torch.int64)
+        else:
+            out[name] = tensor
+    save_file(out, out_dir / "model.safetensors")
+    cfg = json.loads((out_dir / "config.json").read_text())
+    cfg["quantization_config"] = w4a16_config(group_size)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out_dir
+
+
+def w4a16_reference_model(quant_dir: Path, group_size: int):
+    """transformers' model of quant_dir's architecture in float64 on the dequantized weights."""
+    import transformers
+    hf_cfg = transformers.AutoConfig.from_pretrained(quant_dir)
+    del hf_cfg.quantization_config
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg).double().eval()
+    tensors = load_file(Path(quant_dir) / "model.safetensors")
+    state = {}
+    for name, tensor in tensors.items():
+        if name.endswith("weight_packed"):
+            weight_name = name[:-len("weight_packed")] + "weight"
+            state[weight_name] = dequantized_w4a16(tensors, weight_name, group_size)
+        elif not name.endswith(("weight_scale", "weight_shape")):
+            state[name] = tensor.double()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert unexpected == [] and set(missing) <= {"lm_head.weight"} and (not missing or hf_cfg.tie_word_embeddings)
+    return model
 
 
 def write_compressed_tensors_w8a8(float_dir: Path, out_dir: Path, config: dict | None = None) -> Path:

@@ -133,8 +133,9 @@ def test_compressed_tensors_reads_the_layout_back(w8a8_model):
      r"config_groups\.group_0\.weights\.strategy must be 'channel' .*got 'tensor'"),
     (lambda g: g["input_activations"].update(dynamic=False),
      r"config_groups\.group_0\.input_activations\.dynamic must be True .*got False"),
-    (lambda g: g.update(format="pack-quantized"),
-     r"config_groups\.group_0: format 'pack-quantized' is not supported; supported: \['int-quantized'\]"),
+    (lambda g: g.update(format="float-quantized"),
+     r"config_groups\.group_0: format 'float-quantized' is not supported; supported: \['int-quantized', "
+     r"'pack-quantized'\]"),
 ])
 def test_an_unsupported_scheme_is_refused_naming_the_field(float_model, tmp_path, change, message):
     config = json.loads(json.dumps(W8A8_CONFIG))

@@ -13,6 +13,8 @@ group, the field and the allowed values):
 
     W8A8_DYNAMIC   format int-quantized; weights int8 symmetric per channel, static;
                    input activations int8 symmetric per token, dynamic
+    W4A16          format pack-quantized; weights int4 symmetric per group of inputs
+                   (any group size that divides the inputs), static; activations float
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import re
 from typing import Any
 
 from common.model.layers.float_linear import FloatLinearMethod
+from common.model.layers.int4_linear import Int4GroupLinearMethod
 from common.model.layers.int8_linear import Int8DynamicLinearMethod
 from common.model.layers.linear import LinearMethod
 from common.model.layers.quant_config import QuantizationConfig
@@ -28,9 +31,10 @@ QUANT_METHOD = "compressed-tensors"
 SYMMETRIC_DIVISOR = 127.5      # compressed-tensors' symmetric int8 scale: max|x| / ((127 - -128) / 2)
 W8A8_WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
 W8A8_ACTIVATIONS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
-PRESETS = {"W8A8": ("int-quantized", W8A8_WEIGHTS, W8A8_ACTIVATIONS),
-           "INT8": ("int-quantized", W8A8_WEIGHTS, W8A8_ACTIVATIONS)}
-SCHEMES = {("int-quantized", "W8A8"): "W8A8_DYNAMIC"}
+W4A16_WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "dynamic": False}
+PRESET_GROUP_SIZE = 128
+PRESETS = {"W8A8": "W8A8_DYNAMIC", "INT8": "W8A8_DYNAMIC", "W4A16": f"W4A16/{PRESET_GROUP_SIZE}"}
+FORMATS = ("int-quantized", "pack-quantized")
 
 
 def _matches(name: str, targets: list[str]) -> bool:
@@ -76,23 +80,33 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     @staticmethod
     def _group(where: str, name: str, group: Any, top_format: str | None) -> tuple[list[str], str]:
+        """(targets, scheme) of one config group; the scheme "W8A8_DYNAMIC" or "W4A16/<group>"."""
         if isinstance(group, list):          # a preset name over its targets
             if name not in PRESETS:
                 raise ValueError(f"{where}: preset {name!r} is not supported; supported: {sorted(PRESETS)}")
-            return [str(t) for t in group], SCHEMES[(PRESETS[name][0], "W8A8")]
+            return [str(t) for t in group], PRESETS[name]
         if not isinstance(group, dict):
             raise ValueError(f"{where} must be a scheme object or a list of targets")
         fmt = group.get("format") or top_format
         targets = group.get("targets")
         if not targets:
             raise ValueError(f"{where}.targets must list the modules it quantizes")
-        if fmt != "int-quantized":
-            raise ValueError(f"{where}: format {fmt!r} is not supported; supported: ['int-quantized']")
-        _check_args(f"{where}.weights", group.get("weights"), W8A8_WEIGHTS)
-        _check_args(f"{where}.input_activations", group.get("input_activations"), W8A8_ACTIVATIONS)
+        if fmt not in FORMATS:
+            raise ValueError(f"{where}: format {fmt!r} is not supported; supported: {list(FORMATS)}")
         if group.get("output_activations"):
             raise ValueError(f"{where}.output_activations is not supported; supported: null")
-        return [str(t) for t in targets], SCHEMES[(fmt, "W8A8")]
+        if fmt == "int-quantized":
+            _check_args(f"{where}.weights", group.get("weights"), W8A8_WEIGHTS)
+            _check_args(f"{where}.input_activations", group.get("input_activations"), W8A8_ACTIVATIONS)
+            return [str(t) for t in targets], "W8A8_DYNAMIC"
+        weights = group.get("weights")
+        _check_args(f"{where}.weights", weights, W4A16_WEIGHTS)
+        if group.get("input_activations"):
+            raise ValueError(f"{where}.input_activations must be null for pack-quantized (W4A16)")
+        size = weights.get("group_size")
+        if not isinstance(size, int) or size <= 0:
+            raise ValueError(f"{where}.weights.group_size must be a positive int, got {size!r}")
+        return [str(t) for t in targets], f"W4A16/{size}"
 
     def scheme_of(self, projection: str) -> str:
         if _matches(projection, self.ignore):
@@ -105,4 +119,6 @@ class CompressedTensorsConfig(QuantizationConfig):
     def method_for(self, scheme: str) -> LinearMethod:
         if scheme == "FLOAT":
             return FloatLinearMethod()
+        if scheme.startswith("W4A16/"):
+            return Int4GroupLinearMethod(int(scheme.split("/")[1]))
         return Int8DynamicLinearMethod(SYMMETRIC_DIVISOR)

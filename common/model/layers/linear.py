@@ -50,7 +50,8 @@ class WeightSpec:
     """One parameter a linear method needs.
 
     rows: "out"  one row per output feature (split with the outputs, parts stacked)
-          "part" one row per fused part (a per-tensor scale of each projection)
+          "part" one row per fused part (a per-tensor scale of each projection: the
+                 checkpoint tensor is [1], or [cols] when cols is an int)
     cols: None   a 1-D parameter
           "in"   one column per `in_pack` input features (split with the inputs of a
                  row-parallel layer; in_pack 8 for eight int4 codes in an int32)
@@ -101,6 +102,7 @@ class Linear(nn.Module):
         self.in_start = in_start
         self.out_features = sum(p.out for p in parts)
         self.row_parallel = row_parallel
+        self.dtype = dtype          # the model's: what activations and float weights are in
         self.method = method
         self.specs = method.weight_specs(self)
         for spec in self.specs:
@@ -136,7 +138,9 @@ class Linear(nn.Module):
                 elif spec.rows == "out":     # a row-parallel bias: whole on every rank
                     start, end, full_rows, src_row = 0, self.out_features, self.out_features, 0
                 else:
-                    start, end, full_rows, src_row = i, i + 1, 1, 0
+                    full = (spec.cols,) if isinstance(spec.cols, int) else (1,)
+                    slots[f"{prefix}{part.name}.{spec.name}"] = Slot(param, i, i + 1, full)
+                    continue
                 slots[f"{prefix}{part.name}.{spec.name}"] = self._slot(param, spec, start, end, full_rows, src_row)
             row += part.out
         return slots
