@@ -158,9 +158,14 @@ def fake_quant_per_token(x: torch.Tensor, divisor: float) -> torch.Tensor:
     return torch.round(x / scale).clamp(-128, 127) * scale
 
 
-def w8a8_reference_model(quant_dir: Path, divisor: float = CT_DIVISOR):
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def w8a8_reference_model(quant_dir: Path, divisor: float = CT_DIVISOR, tensor_parallel_size: int = 1):
     """transformers' model of quant_dir's float architecture in float64, each projection
-    computing the scheme's math: y = fakequant_token(x) @ (codes * scale)^T + b."""
+    computing the scheme's math: y = fakequant_token(x) @ (codes * scale)^T + b. At
+    tensor_parallel_size n a row-parallel projection (o, down) quantizes each of its n
+    equal column shares of a token on its own, as the ranks do."""
     import transformers
     hf_cfg = transformers.AutoConfig.from_pretrained(quant_dir)
     del hf_cfg.quantization_config
@@ -175,7 +180,14 @@ def w8a8_reference_model(quant_dir: Path, divisor: float = CT_DIVISOR):
         state[name] = tensor.double()
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert unexpected == [] and set(missing) <= {"lm_head.weight"} and (not missing or hf_cfg.tie_word_embeddings)
+    def per_rank(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([fake_quant_per_token(part, divisor) for part in x.chunk(tensor_parallel_size, dim=-1)],
+                         dim=-1)
+
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in PROJECTIONS:
+        kind = name.rsplit(".", 1)[-1]
+        if kind in ROW_PARALLEL:
+            module.register_forward_pre_hook(lambda _m, args: (per_rank(args[0]),))
+        elif kind in PROJECTIONS:
             module.register_forward_pre_hook(lambda _m, args: (fake_quant_per_token(args[0], divisor),))
     return model

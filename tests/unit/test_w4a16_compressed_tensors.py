@@ -91,3 +91,15 @@ def test_a_group_that_does_not_divide_the_inputs_is_refused(float_model, tmp_pat
     (model / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"group_size 48 must divide the input features \(128\)"):
         LLM(str(model), kernel_backend="ref", num_blocks=64)
+
+
+def test_tensor_parallel_2_gives_the_same_tokens(w4a16_model):
+    """Each rank reads its rows (column-parallel) or its groups of inputs (row-parallel) of
+    the packed codes and scales."""
+    prompt = list(range(5, 29))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    tokens = []
+    for tp in (1, 2):
+        with LLM(str(w4a16_model), tensor_parallel_size=tp, num_blocks=64) as llm:
+            tokens.append(llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids)
+    assert tokens[0] == tokens[1]

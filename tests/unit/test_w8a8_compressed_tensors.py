@@ -180,3 +180,23 @@ def test_fake_quant_reference_is_the_per_token_scheme():
     s = 2.0 / SYMMETRIC_DIVISOR            # row 0: max|x| = 2
     want = torch.tensor([[64.0, -128.0, 32.0], [0.0, 0.0, 0.0]], dtype=torch.float64)   # 1/s = 63.75 -> 64
     assert torch.equal(fake_quant_per_token(x, SYMMETRIC_DIVISOR), want * torch.tensor([[s], [1.0]], dtype=torch.float64))
+
+
+def test_tensor_parallel_2_computes_the_scheme_with_each_ranks_scales(tmp_path):
+    """At tensor_parallel_size 2 a row-parallel layer quantizes each token's columns on its
+    own rank (as vLLM does): the float64 reference that does the same is as close as its
+    own float32 run, and the TP 1 reference is not (the scales did move). One layer, so
+    that a code rounding the other way does not drown that difference."""
+    one_layer = make_tiny_model("llama", tmp_path / "f", seed=5, **{**SMALL, "num_layers": 1})
+    w8a8_model = write_compressed_tensors_w8a8(one_layer, tmp_path / "q")
+    ids = list(range(3, 40))
+    with torch.no_grad():
+        ref = w8a8_reference_model(w8a8_model, tensor_parallel_size=2)
+        ref64 = torch.log_softmax(ref(torch.tensor([ids])).logits[0, :-1], -1)
+        ref32 = torch.log_softmax(ref.float()(torch.tensor([ids])).logits[0, :-1].double(), -1)
+        tp1 = torch.log_softmax(w8a8_reference_model(w8a8_model)(torch.tensor([ids])).logits[0, :-1], -1)
+    with LLM(str(w8a8_model), tensor_parallel_size=2, num_blocks=64) as llm:
+        ours = llm.prompt_logprobs_full(ids).double()
+    ours_kl, fp32_kl, tp1_kl = (kl(ref64, other).mean().item() for other in (ours, ref32, tp1))
+    assert ours_kl <= 1.5 * fp32_kl + 1e-5, (ours_kl, fp32_kl)
+    assert tp1_kl > 2 * ours_kl, (tp1_kl, ours_kl)
