@@ -269,13 +269,16 @@ class MeshConfig:
         the mesh's when node is None. ValueError naming the node's section when its
         fields are the bad ones."""
         args = {"model_id": self.resolved_model_id, **self.engine}
-        if node is None or not node.engine:
+        if node is None:
             return EngineConfig.from_kwargs(self.model, **args)
         base = EngineConfig.from_kwargs(self.model, **args)   # the mesh's own fields are checked first
         try:
-            return dataclasses.replace(base, **node.engine)
+            config = dataclasses.replace(base, **node.engine) if node.engine else base
         except (ValueError, TypeError) as e:
             raise ValueError(f"nodes[{node.node_id}].engine: {e}") from None
+        if config.w8a8_mix_path == "auto":     # a W8A8_MIX checkpoint: decode static, prefill dynamic
+            config = dataclasses.replace(config, w8a8_mix_path="static" if node.role == "decode" else "dynamic")
+        return config
 
     def etcd_config(self):
         """A common.cluster EtcdConfig for etcd_endpoint and cluster; None without etcd."""

@@ -12,6 +12,7 @@ from common.cpu_budget import check_cpu_cores, format_cpu_list, parse_cpu_list
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "npu")
 KERNEL_BACKENDS = ("auto", "ref", "cpu", "npu", "cuda")
+W8A8_MIX_PATHS = ("auto", "static", "dynamic")
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,12 @@ class EngineConfig:
     cores the engine runs on: cpu_cores, or those it was started on), on which its steps
     add one thread each while none of its requests is prefilled remotely
     (common/engine/borrowed_cores.py; `pdmesh up` sets it); () = none. Needs
-    tensor_parallel_size 1; used on device cpu only."""
+    tensor_parallel_size 1; used on device cpu only.
+
+    w8a8_mix_path: which half of an msModelSlim W8A8_MIX checkpoint the engine runs:
+    "static" (calibrated activation scales: cheaper steps) or "dynamic" (per-token scales:
+    more accurate prefill); "auto" = static on a decode node of a mesh, dynamic elsewhere
+    (vLLM-Ascend's rule: the KV consumer runs static). Other checkpoints ignore it."""
 
     model: str
     model_id: str = ""
@@ -53,6 +59,7 @@ class EngineConfig:
     cpu_cores: tuple[int, ...] = ()
     tensor_parallel_size: int = 1
     borrow_cores: tuple[int, ...] = ()
+    w8a8_mix_path: str = "auto"
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
@@ -64,6 +71,8 @@ class EngineConfig:
             raise ValueError(f"device must be one of {DEVICES} (optionally with :index), got {self.device!r}")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
+        if self.w8a8_mix_path not in W8A8_MIX_PATHS:
+            raise ValueError(f"w8a8_mix_path must be one of {W8A8_MIX_PATHS}, got {self.w8a8_mix_path!r}")
         for name in ("block_size", "num_blocks", "max_model_len", "num_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = derive), got {getattr(self, name)}")
@@ -90,3 +99,8 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine argument(s) {unknown}; allowed: {sorted(known)}")
         return cls(model=str(model), **kwargs)
+
+
+def resolved_w8a8_mix_path(config: EngineConfig) -> str:
+    """"static" or "dynamic": config's choice, "auto" being dynamic outside a mesh's decode node."""
+    return "dynamic" if config.w8a8_mix_path == "auto" else config.w8a8_mix_path

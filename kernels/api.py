@@ -141,6 +141,11 @@ class Backend(ABC):
         scale = torch.where(amax > 0, amax / divisor, torch.ones_like(amax))
         return torch.round(xf / scale).clamp_(-128, 127).to(torch.int8), scale
 
+    def quantize_per_tensor(self, x: torch.Tensor, scale: float, offset: float) -> torch.Tensor:
+        """Static asymmetric int8 of x [rows, features] with one scale and offset (msModelSlim's
+        W8A8): clamp(round(x / scale + offset), -128, 127), rounding half to even, in float32."""
+        return torch.round(x.float() / scale + offset).clamp_(-128, 127).to(torch.int8)
+
     def prepare_int8_weight(self, weight: torch.Tensor) -> Any:
         """The form `int8_matmul` takes an int8 weight [out_features, in_features] in; the
         caller drops its own reference when the result is not `weight`. Default: as is."""

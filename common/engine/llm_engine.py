@@ -47,6 +47,7 @@ from typing import Callable, ContextManager
 import torch
 
 from common.config import EngineConfig
+from common.engine_config import resolved_w8a8_mix_path
 from common import cpu_budget
 from common.engine.borrowed_cores import BorrowedCores
 from common.engine.block_manager import BlockManager
@@ -139,7 +140,8 @@ class LLMEngine:
         """The rest of __init__ (rank 0's model and KV cache, the scheduler, the tokenizer),
         after the workers were spawned."""
         self.model, self.kv_cache = load_rank(mcfg, self.backend, self.dtype, self.device, config.model,
-                                              self.shard, self.max_model_len, self.num_blocks, self.block_size)
+                                              self.shard, self.max_model_len, self.num_blocks, self.block_size,
+                                              resolved_w8a8_mix_path(config))
         if self.tp is not None:
             self.model.attach_group(self.tp.wait_ready())
         self.model_id = config.model_id or Path(config.model).resolve().name

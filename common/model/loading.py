@@ -42,9 +42,11 @@ def load_weights(model: Loadable, model_dir: str | Path, dtype: torch.dtype, wha
         if shape != slot.full_shape:
             raise ValueError(f"{path}: tensor {name!r} has shape {shape}, expected {slot.full_shape} "
                              f"from config.json")
+        if slot.convert is not None:
+            tensor = slot.convert(tensor)
         slot.param.data[slot.start:slot.end].copy_(tensor)
         loaded.add(name)
-    missing = sorted(set(slots) - loaded)
+    missing = sorted(name for name in set(slots) - loaded if not slots[name].optional)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"{model_dir}: checkpoint is missing {len(missing)} tensor(s): {shown}")

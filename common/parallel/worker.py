@@ -124,6 +124,7 @@ def _load(spec: WorkerSpec):
 
     from common.runner.dtypes import DTYPE_BY_NAME
     from common.runner.model_runner import ModelRunner, load_rank
+    from common.engine_config import resolved_w8a8_mix_path
     from common.model.config import load_model_config
     from common.parallel.shard import plan_shard
     from kernels import get_backend
@@ -138,7 +139,8 @@ def _load(spec: WorkerSpec):
     mcfg = load_model_config(cfg.model)
     shard = plan_shard(mcfg, cfg.tensor_parallel_size, spec.rank)
     model, kv_cache = load_rank(mcfg, get_backend(cfg.kernel_backend, device), DTYPE_BY_NAME[spec.dtype], device,
-                                cfg.model, shard, spec.max_model_len, spec.num_blocks, spec.block_size)
+                                cfg.model, shard, spec.max_model_len, spec.num_blocks, spec.block_size,
+                                resolved_w8a8_mix_path(cfg))
     return ModelRunner(model, kv_cache, spec.block_size)
 
 

@@ -29,13 +29,14 @@ from kernels import DecodeMetadata, PrefillMetadata
 
 
 def load_rank(mcfg, backend, dtype: torch.dtype, device: torch.device, model_dir: str, shard,
-              max_model_len: int, num_blocks: int, block_size: int) -> tuple[torch.nn.Module, torch.Tensor]:
+              max_model_len: int, num_blocks: int, block_size: int,
+              w8a8_mix_path: str = "dynamic") -> tuple[torch.nn.Module, torch.Tensor]:
     """One rank's model (its shard's weights, read from model_dir, on device, linears
     prepared) and its zeroed KV cache [num_layers, 2, num_blocks, block_size, its KV
     heads, head_dim]: what rank 0 (LLMEngine) and every worker (common/parallel/worker.py)
     build alike. ValueError naming the problem for a checkpoint the engine cannot read."""
     model = build_model(mcfg, backend, dtype, max_positions=max_model_len, shard=shard,
-                        quant=quantization_config(model_dir))
+                        quant=quantization_config(model_dir, w8a8_mix_path))
     model.load_weights(model_dir)
     model.to(device)
     model.prepare_linears()

@@ -1,7 +1,7 @@
 """Which quantization a checkpoint uses, from its own files:
 
     config.json "quantization_config"      compressed-tensors, GPTQ, AWQ, fp8, ... (HF)
-    quant_model_description*.json          Ascend msModelSlim (config.json says nothing)
+    quant_model_description.json           Ascend msModelSlim (config.json says nothing)
     neither, or a .gguf file               float (GGUF blocks are dequantized at load)
 
 A scheme the engine cannot run is refused here, at load, with the file and the scheme
@@ -14,28 +14,24 @@ import json
 from pathlib import Path
 
 from common.model.formats import is_gguf
+from common.model.formats.msmodelslim import DESCRIPTION
 from common.model.layers.quant_config import FloatConfig, QuantizationConfig
 
-SUPPORTED = ("float", "compressed-tensors")
-
-
-def _description_files(root: Path) -> list[Path]:
-    return sorted(root.glob("quant_model_description*.json"))
+SUPPORTED = ("float", "compressed-tensors", "msmodelslim")
 
 
 def quantization_of(model_dir: str | Path) -> str:
     """"float", or the scheme named by the checkpoint (e.g. "compressed-tensors",
-    "msmodelslim W8A8_DYNAMIC"); ValueError naming the file when it cannot be read."""
+    "msmodelslim"); ValueError naming the file when it cannot be read."""
     root = Path(model_dir)
     if is_gguf(root):
         return "float"
-    descriptions = _description_files(root)
-    if descriptions:
-        try:
-            raw = json.loads(descriptions[0].read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{descriptions[0]}: invalid JSON ({e})") from None
-        return f"msmodelslim {raw.get('model_quant_type', 'unknown')}"
+    if (root / DESCRIPTION).is_file():
+        return "msmodelslim"
+    others = sorted(root.glob("quant_model_description*.json"))
+    if others:
+        raise ValueError(f"{others[0]}: msModelSlim descriptions are read from {DESCRIPTION} (vLLM-Ascend's "
+                         f"name); rename it")
     config = root / "config.json"
     if config.is_file():
         try:
@@ -48,12 +44,16 @@ def quantization_of(model_dir: str | Path) -> str:
     return "float"
 
 
-def quantization_config(model_dir: str | Path) -> QuantizationConfig:
+def quantization_config(model_dir: str | Path, w8a8_mix_path: str = "dynamic") -> QuantizationConfig:
     """The checkpoint's QuantizationConfig; ValueError naming the model and its scheme when
-    the engine has no linear method for it."""
+    the engine has no linear method for it. w8a8_mix_path: the path of an msModelSlim
+    W8A8_MIX checkpoint's layers ("static" or "dynamic")."""
     scheme = quantization_of(model_dir)
     if scheme == "float":
         return FloatConfig()
+    if scheme == "msmodelslim":
+        from common.model.formats.msmodelslim import msmodelslim_config
+        return msmodelslim_config(model_dir, w8a8_mix_path)
     if scheme == "compressed-tensors":
         from common.model.formats.compressed_tensors import CompressedTensorsConfig
         config = Path(model_dir) / "config.json"

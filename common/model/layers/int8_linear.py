@@ -6,8 +6,10 @@ int8 per token, quantized at run time; the int8 GEMM accumulates exactly in int3
     y[m,n] = (x_q @ W_q^T)[m, n] * s_x[m] * s_w[n] + b[n]
 
 Checkpoint tensors of each projection: `weight` int8 [out, in], `weight_scale` [out, 1]
-(any float dtype; kept in float32). `divisor` is the producer's convention: 127.5 for
-compressed-tensors (its symmetric range (127 - (-128)) / 2), 127 for msModelSlim.
+(any float dtype; kept in float32), and with msModelSlim `weight_offset` [out, 1], which
+must be zeros (symmetric weights). `divisor` is the producer's convention: 127.5 for
+compressed-tensors (its symmetric range (127 - (-128)) / 2), 127 for msModelSlim
+(npu_dynamic_quant's).
 
 Under tensor parallelism a row-parallel layer quantizes its own columns of each token,
 so its scales are the rank's, as in vLLM: the result differs from tensor_parallel_size 1
@@ -31,15 +33,21 @@ log = logging.getLogger("pdmesh.model")
 class Int8DynamicLinearMethod(LinearMethod):
     scheme = "W8A8_DYNAMIC"
 
-    def __init__(self, divisor: float):
+    def __init__(self, divisor: float, weight_offset: bool = False):
         self.divisor = divisor
+        self.weight_offset = weight_offset
         self._told: set[int] = set()    # backends whose int8 path was logged
 
     def weight_specs(self, layer: Linear) -> list[WeightSpec]:
-        return [WeightSpec("weight", rows="out", cols="in", dtype=torch.int8),
-                WeightSpec("weight_scale", rows="out", cols=1, dtype=torch.float32)]
+        specs = [WeightSpec("weight", rows="out", cols="in", dtype=torch.int8),
+                 WeightSpec("weight_scale", rows="out", cols=1, dtype=torch.float32)]
+        if self.weight_offset:
+            specs.append(WeightSpec("weight_offset", rows="out", cols=1, dtype=torch.float32))
+        return specs
 
     def process_after_loading(self, layer: Linear, backend: Backend) -> None:
+        if self.weight_offset:
+            check_zero_offsets(layer)
         if id(backend) not in self._told:
             self._told.add(id(backend))
             log.info("W8A8 dynamic linear layers: %s", backend.int8_path)
@@ -57,3 +65,14 @@ class Int8DynamicLinearMethod(LinearMethod):
         if bias is not None:
             out += bias.float()
         return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+
+
+def check_zero_offsets(layer: Linear) -> None:
+    """ValueError naming the projection unless its weight_offset is all zeros."""
+    rows = 0
+    for part in layer.parts:
+        if layer.weight_offset.data[rows:rows + part.out].abs().max() != 0:
+            raise ValueError(f"{part.name}.weight_offset is not all zeros: asymmetric int8 weights are not "
+                             f"supported; supported: symmetric (weight_offset 0)")
+        rows += part.out
+    layer.weight_offset.data = layer.weight_offset.data.new_empty(0)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
 from torch import nn
@@ -56,13 +56,16 @@ class WeightSpec:
           "in"   one column per `in_pack` input features (split with the inputs of a
                  row-parallel layer; in_pack 8 for eight int4 codes in an int32)
           int    that many columns, never split
-    dtype: None = the model's dtype."""
+    dtype: None = the model's dtype. convert: the checkpoint tensor -> what is copied in
+    (e.g. float32 bits stored in an int64). optional: absent from some producers' files."""
 
     name: str
     rows: Literal["out", "part"]
     cols: Literal["in"] | int | None = None
     dtype: torch.dtype | None = None
     in_pack: int = 1
+    convert: Callable[[torch.Tensor], torch.Tensor] | None = None
+    optional: bool = False
 
 
 class LinearMethod(ABC):
@@ -70,6 +73,7 @@ class LinearMethod(ABC):
     LinearMethodBase). One instance may serve many layers: state lives on the layer."""
 
     scheme: str = ""    # the quantization type it implements, e.g. "FLOAT"
+    uses_float_bias = True   # False: the float bias is folded into the method's own tensors
 
     @abstractmethod
     def weight_specs(self, layer: Linear) -> list[WeightSpec]:
@@ -139,7 +143,8 @@ class Linear(nn.Module):
                     start, end, full_rows, src_row = 0, self.out_features, self.out_features, 0
                 else:
                     full = (spec.cols,) if isinstance(spec.cols, int) else (1,)
-                    slots[f"{prefix}{part.name}.{spec.name}"] = Slot(param, i, i + 1, full)
+                    slots[f"{prefix}{part.name}.{spec.name}"] = Slot(param, i, i + 1, full, None, spec.convert,
+                                                                     spec.optional)
                     continue
                 slots[f"{prefix}{part.name}.{spec.name}"] = self._slot(param, spec, start, end, full_rows, src_row)
             row += part.out
@@ -158,15 +163,15 @@ class Linear(nn.Module):
             source.append(slice(self.in_start // pack, (self.in_start + self.in_features) // pack))
         elif spec.cols is not None:
             full += (spec.cols,)
-        if rows_whole and cols_whole:
-            return Slot(param, start, end, full)
-        return Slot(param, start, end, full, tuple(source))
+        return Slot(param, start, end, full, None if rows_whole and cols_whole else tuple(source), spec.convert,
+                    spec.optional)
 
     def prepare(self, backend: Backend) -> None:
         self.method.process_after_loading(self, backend)
 
     def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
+        bias = self.bias if self.method.uses_float_bias else None
         if self.group is None:
-            return self.method.apply(self, backend, x, self.bias)
+            return self.method.apply(self, backend, x, bias)
         out = self.group.all_reduce(self.method.apply(self, backend, x, None).contiguous())
-        return out if self.bias is None else out + self.bias
+        return out if bias is None else out + bias

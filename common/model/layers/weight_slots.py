@@ -13,6 +13,7 @@ before it copies `tensor[source]` into `param[start:end]`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -28,6 +29,8 @@ class Slot:
     end: int
     full_shape: tuple[int, ...]
     source: tuple[slice, ...] | None = None
+    convert: Callable[[torch.Tensor], torch.Tensor] | None = None   # the file's form -> the param's
+    optional: bool = False        # a tensor some producers write and others do not
 
 
 def new_param(*shape: int, dtype: torch.dtype, zeros: bool = False) -> nn.Parameter:
