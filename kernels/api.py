@@ -156,6 +156,26 @@ class Backend(ABC):
         [rows, out], exact. Default: in float64, exact while in_features * 128^2 < 2^53."""
         return (x_q.double() @ weight.double().t()).to(torch.int32)
 
+    def int8_scaled_matmul(self, x_q: torch.Tensor, weight: Any, scale: torch.Tensor,
+                           row_scale: torch.Tensor | None = None, int_bias: torch.Tensor | None = None,
+                           bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The W8A8 linear after its input was quantized (npu_quant_matmul's contract):
+
+            out = ((x_q @ W^T + int_bias) * scale * row_scale + bias).to(out_dtype)
+
+        x_q int8 [rows, in]; weight as prepare_int8_weight returned it; scale float32 [1, out]
+        (per channel); row_scale float32 [rows, 1] (per token) or None; int_bias int32 [out]
+        or None (added exactly, before scaling); bias float [out] or None (after)."""
+        acc = self.int8_matmul(x_q, weight)
+        if int_bias is not None:
+            acc = acc + int_bias
+        out = acc.float().mul_(scale)
+        if row_scale is not None:
+            out.mul_(row_scale)
+        if bias is not None:
+            out += bias.float()
+        return out.to(out_dtype)
+
     int4_path: str = "weights dequantized once at load (reference)"   # said at start-up
 
     def prepare_int4_weight(self, codes: torch.Tensor, scale: torch.Tensor, group_size: int,

@@ -60,7 +60,7 @@ def reference_kls(model_dir, path: str, ours: torch.Tensor) -> tuple[float, floa
 @pytest.mark.parametrize("backend", ["cpu", "ref"])
 def test_each_scheme_is_as_close_to_its_float64_math_as_float32_gets(checkpoints, kind, path, backend):
     ours_kl, fp32_kl = reference_kls(checkpoints[kind], path, logprobs(checkpoints[kind], kernel_backend=backend))
-    assert ours_kl <= 1.5 * fp32_kl + 1e-6, (ours_kl, fp32_kl)
+    assert ours_kl <= 1.5 * fp32_kl + 2e-5, (ours_kl, fp32_kl)   # 2e-5: about one code that rounds the other way
 
 
 def test_the_static_path_never_adds_the_float_bias(checkpoints):

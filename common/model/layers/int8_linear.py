@@ -61,10 +61,9 @@ class Int8DynamicLinearMethod(LinearMethod):
               bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         x_q, x_scale = backend.quantize_per_token(rows, self.divisor)
-        out = backend.int8_matmul(x_q, layer.prepared).float().mul_(x_scale).mul_(layer.weight_scale)
-        if bias is not None:
-            out += bias.float()
-        return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+        out = backend.int8_scaled_matmul(x_q, layer.prepared, layer.weight_scale, row_scale=x_scale, bias=bias,
+                                         out_dtype=x.dtype)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def check_zero_offsets(layer: Linear) -> None:

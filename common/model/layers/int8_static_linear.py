@@ -84,11 +84,10 @@ class Int8StaticLinearMethod(LinearMethod):
               bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         x_q = backend.quantize_per_tensor(rows, *layer.static_input)
-        acc = backend.int8_matmul(x_q, layer.prepared)
-        if layer.group is None or layer.group.rank == 0:    # a row-parallel sum gets it once
-            acc = acc + layer.quant_bias
-        out = acc.float().mul_(layer.deq_scale)
-        return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+        once = layer.group is None or layer.group.rank == 0      # a row-parallel sum gets it once
+        out = backend.int8_scaled_matmul(x_q, layer.prepared, layer.deq_scale,
+                                         int_bias=layer.quant_bias if once else None, out_dtype=x.dtype)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
 
 class Int8MixLinearMethod(LinearMethod):
