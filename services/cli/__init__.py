@@ -26,6 +26,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "services.cli.bench",
     "services.cli.models",
     "services.cli.eval",
+    "services.cli.quantize",
 )
 
 

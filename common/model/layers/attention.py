@@ -44,10 +44,10 @@ class GQAAttention(nn.Module):
                  LinearPart("k_proj", full_kv, self.kv_size, kv0),
                  LinearPart("v_proj", full_kv, self.kv_size, kv0)]
         self.qkv = Linear(parts, cfg.hidden_size, quant.linear_method([prefix + p.name for p in parts]),
-                          dtype, bias=cfg.qkv_bias)
+                          dtype, bias=cfg.qkv_bias, prefix=prefix)
         o_part = [LinearPart("o_proj", cfg.hidden_size, cfg.hidden_size)]
         self.o = Linear(o_part, full_q, quant.linear_method([prefix + "o_proj"]), dtype, bias=cfg.o_bias,
-                        row_parallel=True, in_features=self.q_size, in_start=q0)
+                        row_parallel=True, in_features=self.q_size, in_start=q0, prefix=prefix)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.scale = hd ** -0.5

@@ -92,12 +92,14 @@ class Linear(nn.Module):
     """parts: the fused projections, in output order. full_in: input features in the
     checkpoint; a row-parallel layer holds columns [in_start, in_start + in_features).
     bias: a float bias per output feature (`<part>.bias`), added after the all-reduce
-    when the layer is row-parallel."""
+    when the layer is row-parallel. prefix: the checkpoint name of the module that holds
+    the parts (e.g. "model.layers.0.self_attn.")."""
 
     def __init__(self, parts: list[LinearPart], full_in: int, method: LinearMethod,
                  dtype: torch.dtype, bias: bool = False, row_parallel: bool = False,
-                 in_features: int | None = None, in_start: int = 0):
+                 in_features: int | None = None, in_start: int = 0, prefix: str = ""):
         super().__init__()
+        self.prefix = prefix        # the checkpoint's name of the module holding the parts
         if row_parallel and (len(parts) != 1 or parts[0].out != parts[0].full_out):
             raise ValueError("a row-parallel Linear has one part with all of its outputs")
         self.parts = parts
@@ -114,6 +116,11 @@ class Linear(nn.Module):
         self.bias = new_param(self.out_features, dtype=dtype) if bias else None
         self.prepared: Any = None           # what the method's apply multiplies by (its own use)
         self.group: TPGroup | None = None   # a row-parallel layer's, at tensor_parallel_size > 1
+
+    @property
+    def projections(self) -> list[str]:
+        """The checkpoint names of the parts, e.g. "model.layers.0.self_attn.q_proj"."""
+        return [self.prefix + part.name for part in self.parts]
 
     def _shape(self, spec: WeightSpec) -> tuple[int, ...]:
         rows = self.out_features if spec.rows == "out" else len(self.parts)

@@ -28,10 +28,10 @@ class GatedMLP(nn.Module):
         parts = [LinearPart("gate_proj", intermediate_size, inter, i0),
                  LinearPart("up_proj", intermediate_size, inter, i0)]
         self.gate_up = Linear(parts, hidden_size, quant.linear_method([prefix + p.name for p in parts]),
-                              dtype, bias=bias)
+                              dtype, bias=bias, prefix=prefix)
         self.down = Linear([LinearPart("down_proj", hidden_size, hidden_size)], intermediate_size,
                            quant.linear_method([prefix + "down_proj"]), dtype, bias=bias,
-                           row_parallel=True, in_features=inter, in_start=i0)
+                           row_parallel=True, in_features=inter, in_start=i0, prefix=prefix)
 
     def weight_slots(self, prefix: str) -> dict[str, Slot]:
         return {**self.gate_up.weight_slots(prefix), **self.down.weight_slots(prefix)}

@@ -1,0 +1,110 @@
+"""Activation statistics of every linear layer's input, from calibration prompts run
+through the float model (the engine on the ref backend, a forward pre-hook per Linear).
+
+A Linear fuses projections that share one input (q/k/v, gate/up), so the statistics are
+per Linear and apply to each of its projections. Kept per input channel j:
+min_j, max_j (float64), the number of tokens, and with `hessian` the sum of x^T x
+(GPTQ's H / 2), float64 [in, in].
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("pdmesh.quantize")
+
+
+@dataclass
+class InputStats:
+    """What the calibration saw at one Linear's input."""
+
+    projections: list[str]          # checkpoint names, e.g. "model.layers.0.self_attn.q_proj"
+    min: torch.Tensor               # float64 [in]
+    max: torch.Tensor               # float64 [in]
+    num_tokens: int = 0
+    xtx: torch.Tensor | None = None   # float64 [in, in]: sum over tokens of x x^T
+    _seen: bool = field(default=False, repr=False)
+
+    @property
+    def absmax(self) -> torch.Tensor:
+        return torch.maximum(self.min.abs(), self.max.abs())
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).double()
+        if self._seen:
+            torch.minimum(self.min, x.amin(0), out=self.min)
+            torch.maximum(self.max, x.amax(0), out=self.max)
+        else:
+            self.min, self.max, self._seen = x.amin(0), x.amax(0), True
+        self.num_tokens += x.shape[0]
+        if self.xtx is not None:
+            self.xtx += x.t() @ x
+
+
+def calibrate(model_dir: str | Path, prompts: list[list[int]], hessian: bool = False) -> dict[str, InputStats]:
+    """Linear module name (e.g. "layers.0.self_attn.qkv") -> InputStats over all prompts."""
+    from common.engine import LLM
+    longest = max(len(p) for p in prompts)
+    llm = LLM(str(model_dir), kernel_backend="ref", max_model_len=longest + 2,
+              num_blocks=2 * (longest // 16 + 2), max_num_seqs=1)
+    stats: dict[str, InputStats] = {}
+    try:
+        for name, linear in llm.engine.model.linears():
+            width = linear.in_features
+            stats[name] = InputStats(linear.projections, torch.zeros(width, dtype=torch.float64),
+                                     torch.zeros(width, dtype=torch.float64),
+                                     xtx=torch.zeros(width, width, dtype=torch.float64) if hessian else None)
+            linear.register_forward_pre_hook(lambda _m, args, s=stats[name]: s.add(args[0]))
+        for i, prompt in enumerate(prompts, 1):
+            llm.prompt_logprobs_full(prompt)
+            log.info("calibration prompt %d/%d (%d tokens)", i, len(prompts), len(prompt))
+    finally:
+        llm.close()
+    return stats
+
+
+def calibration_prompts(model_dir: str | Path, path: str | Path, num_prompts: int, tokens_per_prompt: int
+                        ) -> list[list[int]]:
+    """Token ids of calibration prompts from a text file (cut into pieces of
+    tokens_per_prompt tokens) or a JSONL file (one prompt a line: {"text": ...},
+    {"prompt": ...} or {"messages": [...]} in the model's chat template), num_prompts at
+    most. ValueError naming the file and line for a line it cannot read."""
+    import json
+    from common.model.tokenizer import Tokenizer
+    tokenizer = Tokenizer.from_dir(str(model_dir))
+    path = Path(path)
+    prompts: list[list[int]] = []
+    if path.suffix == ".jsonl":
+        template = None
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number}: not JSON ({e})") from None
+            if "messages" in row:
+                if template is None:
+                    from services.gateway.openai_http.chat_template import ChatTemplate
+                    template = ChatTemplate.from_dir(str(model_dir))
+                    if template is None:
+                        raise ValueError(f"{path}:{number}: \"messages\" needs a chat template; "
+                                         f"{model_dir} has none")
+                text = template.render(row["messages"], add_generation_prompt=False)
+            elif isinstance(row.get("text", row.get("prompt")), str):
+                text = row.get("text", row.get("prompt"))
+            else:
+                raise ValueError(f"{path}:{number}: needs a \"text\", \"prompt\" or \"messages\" field")
+            prompts.append(tokenizer.encode(text)[:tokens_per_prompt])
+            if len(prompts) == num_prompts:
+                break
+    else:
+        ids = tokenizer.encode(path.read_text())
+        prompts = [ids[i:i + tokens_per_prompt] for i in range(0, len(ids), tokens_per_prompt)][:num_prompts]
+    prompts = [p for p in prompts if len(p) >= 2]
+    if not prompts:
+        raise ValueError(f"{path}: no calibration prompt of 2 tokens or more")
+    return prompts

@@ -1,0 +1,86 @@
+"""One quantization run: a float HF folder in, a quantized HF folder out (written beside
+it, then moved into place: a run that fails leaves no half-written model)."""
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from common.model.formats import is_gguf
+from common.model.formats.checkpoint import iter_checkpoint
+from common.model.formats.quantization import quantization_of
+from services.quantize.calibration import calibrate
+from services.quantize.gptq import gptq_int4
+from services.quantize.smoothing import smooth
+from services.quantize.writers import writer_for
+
+log = logging.getLogger("pdmesh.quantize")
+SCHEMES = ("w8a8", "w8a8-dynamic", "w8a8-mix", "w4a16")
+METHODS = ("rtn", "gptq")
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    scheme: str
+    fmt: str
+    smooth_alpha: float | None = 0.5      # W8A8: SmoothQuant's migration strength; None = off
+    method: str = "rtn"                   # W4A16: round-to-nearest or GPTQ
+    group_size: int = 128
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"--scheme must be one of {list(SCHEMES)}, got {self.scheme!r}")
+        if self.method not in METHODS:
+            raise ValueError(f"--method must be one of {list(METHODS)}, got {self.method!r}")
+        if self.method == "gptq" and self.scheme != "w4a16":
+            raise ValueError("--method gptq applies to --scheme w4a16 only (W8A8 uses smoothing)")
+        if self.smooth_alpha is not None and not 0.0 <= self.smooth_alpha <= 1.0:
+            raise ValueError(f"--smooth-alpha must be in [0, 1], got {self.smooth_alpha}")
+        if self.group_size < 8 or self.group_size % 8:
+            raise ValueError(f"--group-size must be a positive multiple of 8, got {self.group_size}")
+
+
+def quantize_model(model_dir: str | Path, out_dir: str | Path, prompts: list[list[int]],
+                   options: QuantizeOptions) -> Path:
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if is_gguf(model_dir):
+        raise ValueError(f"{model_dir}: give a Hugging Face folder (`pdmesh models pull` converts a GGUF file)")
+    if quantization_of(model_dir) != "float":
+        raise ValueError(f"{model_dir}: already quantized ({quantization_of(model_dir)}); give a float model")
+    writer = writer_for(options.fmt, options.scheme, options.group_size)
+    start = time.perf_counter()
+    tensors = {name: tensor for name, tensor, _ in iter_checkpoint(model_dir)}
+    stats = calibrate(model_dir, prompts, hessian=options.method == "gptq")
+    log.info("calibrated on %d prompts (%d tokens) in %.1fs", len(prompts), sum(map(len, prompts)),
+             time.perf_counter() - start)
+    if options.scheme.startswith("w8a8") and options.smooth_alpha is not None:
+        done = smooth(tensors, stats, options.smooth_alpha)
+        log.info("smoothed %d layers (alpha %.2f)", len(done), options.smooth_alpha)
+    out: dict[str, torch.Tensor] = {}
+    for i, st in enumerate(stats.values(), 1):
+        for name in st.projections:
+            weight = tensors.pop(name + ".weight")
+            bias = tensors.pop(name + ".bias", None)
+            codes = scale = None
+            if options.method == "gptq":
+                codes, scale = gptq_int4(weight, st.xtx, st.num_tokens, options.group_size)
+            out.update(writer.projection(name, weight, bias, st, codes, scale))
+        if i % 8 == 0 or i == len(stats):
+            log.info("quantized %d/%d linear layers", i, len(stats))
+    out.update(tensors)
+    staging = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(model_dir, staging, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json",
+                                                                      "*.gguf", ".*"))
+    save_file({k: v.contiguous() for k, v in out.items()}, staging / writer.weights_file)
+    writer.finish(staging, out)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    staging.rename(out_dir)
+    log.info("wrote %s in %.1fs", out_dir, time.perf_counter() - start)
+    return out_dir

@@ -1,0 +1,46 @@
+"""Round-to-nearest quantization of one weight [out, in] (float64 math), in each
+producer's convention:
+
+    int8 per channel, symmetric:  s = max_k |w[n, k]| / divisor; q = clamp(round(w / s), -128, 127)
+                                  divisor 127 (msModelSlim), 127.5 (compressed-tensors)
+    int4 per group, symmetric:    s = max over the group |w| / 7.5 (compressed-tensors);
+                                  q = clamp(round(w / s), -8, 7)
+    static activations (msModelSlim W8A8): [min, max] (widened to hold 0) onto -128..127:
+                                  s_x = (max - min) / 255, offset = round(-128 - min / s_x)
+"""
+from __future__ import annotations
+
+import torch
+
+TINY = 1e-12
+
+
+def int8_per_channel(weight: torch.Tensor, divisor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes [out, in], float64 scale [out, 1])."""
+    w = weight.double()
+    scale = (w.abs().amax(dim=1, keepdim=True) / divisor).clamp_min(TINY)
+    return torch.round(w / scale).clamp(-128, 127).to(torch.int8), scale
+
+
+def int4_per_group(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes -8..7 [out, in], float64 scale [out, in / group_size])."""
+    w = weight.double()
+    groups = w.reshape(w.shape[0], -1, group_size)
+    scale = (groups.abs().amax(dim=-1) / 7.5).clamp_min(TINY)
+    codes = torch.round(groups / scale.unsqueeze(-1)).clamp(-8, 7).reshape(w.shape)
+    return codes.to(torch.int8), scale
+
+
+def static_activation(lo: float, hi: float) -> tuple[float, float]:
+    """(input_scale, input_offset) of a tensor seen in [lo, hi]."""
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
+    scale = max((hi - lo) / 255.0, TINY)
+    return scale, float(max(-128.0, min(127.0, round(-128.0 - lo / scale))))
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes -8..7 [rows, cols] -> int32 [rows, cols / 8]: code j at bits 4 * (j % 8)
+    of word j // 8, stored as q + 8 (compressed-tensors' pack-quantized)."""
+    stored = (codes.to(torch.int64) + 8).reshape(codes.shape[0], -1, 8)
+    words = (stored << torch.arange(0, 32, 4, dtype=torch.int64)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)

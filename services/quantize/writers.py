@@ -1,0 +1,123 @@
+"""Quantized checkpoints in the layouts their reference tools write (what the engine's
+formats/compressed_tensors.py and formats/msmodelslim.py read, and the producers'
+consumers: compressed-tensors itself, vLLM-Ascend).
+
+A writer turns one projection (its float weight [out, in], optional bias, and the input
+statistics of its Linear) into the tensors of its scheme, and at the end writes the
+config (compressed-tensors: config.json's quantization_config) or the description
+(msModelSlim: quant_model_description.json, every tensor named with its type).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from services.quantize.calibration import InputStats
+from services.quantize.schemes import int4_per_group, int8_per_channel, pack_int4, static_activation
+
+CT_DIVISOR = 127.5     # compressed-tensors: (127 - -128) / 2
+MS_DIVISOR = 127.0     # msModelSlim / npu_dynamic_quant
+
+
+class CompressedTensorsWriter:
+    """w8a8-dynamic (int-quantized) or w4a16 (pack-quantized, group_size)."""
+
+    SCHEMES = ("w8a8-dynamic", "w4a16")
+
+    def __init__(self, scheme: str, group_size: int = 128):
+        if scheme not in self.SCHEMES:
+            raise ValueError(f"--scheme {scheme} cannot be written as compressed-tensors; allowed: "
+                             f"{list(self.SCHEMES)} (static W8A8 and W8A8-MIX: --format modelslim)")
+        self.scheme, self.group_size = scheme, group_size
+        self.weights_file = "model.safetensors"
+
+    def projection(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, stats: InputStats,
+                   codes: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """name: the checkpoint's projection name; codes/scale: already quantized (GPTQ)."""
+        out: dict[str, torch.Tensor] = {}
+        if self.scheme == "w8a8-dynamic":
+            codes, scale = int8_per_channel(weight, CT_DIVISOR)
+            out[name + ".weight"], out[name + ".weight_scale"] = codes, scale.to(weight.dtype)
+        else:
+            if codes is None:
+                codes, scale = int4_per_group(weight, self.group_size)
+            out[name + ".weight_packed"] = pack_int4(codes)
+            out[name + ".weight_scale"] = scale.to(weight.dtype)
+            out[name + ".weight_shape"] = torch.tensor(weight.shape, dtype=torch.int64)
+        if bias is not None:
+            out[name + ".bias"] = bias
+        return out
+
+    def finish(self, out_dir: Path, tensors: dict[str, torch.Tensor]) -> None:
+        path = out_dir / "config.json"
+        config = json.loads(path.read_text())
+        if self.scheme == "w8a8-dynamic":
+            group = {"targets": ["Linear"], "format": "int-quantized",
+                     "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+                                 "dynamic": False, "group_size": None},
+                     "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                                           "dynamic": True},
+                     "output_activations": None}
+            fmt = "int-quantized"
+        else:
+            group = {"targets": ["Linear"], "format": "pack-quantized",
+                     "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                 "group_size": self.group_size, "dynamic": False},
+                     "input_activations": None, "output_activations": None}
+            fmt = "pack-quantized"
+        config["quantization_config"] = {"quant_method": "compressed-tensors", "format": fmt,
+                                         "quantization_status": "compressed", "config_groups": {"group_0": group},
+                                         "ignore": ["lm_head"], "kv_cache_scheme": None}
+        path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+class MsModelSlimWriter:
+    """w8a8 (static), w8a8-dynamic, w8a8-mix (both sets)."""
+
+    SCHEMES = {"w8a8": "W8A8", "w8a8-dynamic": "W8A8_DYNAMIC", "w8a8-mix": "W8A8_MIX"}
+
+    def __init__(self, scheme: str):
+        if scheme not in self.SCHEMES:
+            raise ValueError(f"--scheme {scheme} cannot be written as msModelSlim here; allowed: "
+                             f"{list(self.SCHEMES)} (w4a16: --format compressed-tensors)")
+        self.kind = self.SCHEMES[scheme]
+        self.weights_file = "quant_model_weights.safetensors"
+        self.types: dict[str, str] = {}
+
+    def projection(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, stats: InputStats,
+                   codes: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        codes, w_scale = int8_per_channel(weight, MS_DIVISOR)
+        out = {name + ".weight": codes}
+        if self.kind in ("W8A8", "W8A8_MIX"):
+            s_x, offset = static_activation(float(stats.min.min()), float(stats.max.max()))
+            deq = (s_x * w_scale[:, 0]).float()
+            b = bias.double() if bias is not None else torch.zeros(weight.shape[0], dtype=torch.float64)
+            quant_bias = torch.round(b / deq.double() - offset * codes.double().sum(dim=1))
+            out.update({name + ".input_scale": torch.tensor([s_x], dtype=torch.float32),
+                        name + ".input_offset": torch.tensor([offset], dtype=torch.float32),
+                        name + ".quant_bias": quant_bias.to(torch.int32),
+                        name + ".deq_scale": deq})
+        if self.kind in ("W8A8_DYNAMIC", "W8A8_MIX"):
+            out.update({name + ".weight_scale": w_scale.float(),
+                        name + ".weight_offset": torch.zeros_like(w_scale, dtype=torch.float32)})
+        self.types.update({key: self.kind for key in out})
+        if bias is not None:
+            out[name + ".bias"] = bias
+            self.types[name + ".bias"] = "FLOAT"
+        return out
+
+    def finish(self, out_dir: Path, tensors: dict[str, torch.Tensor]) -> None:
+        types = {name: self.types.get(name, "FLOAT") for name in tensors}
+        description = {"version": "1.0.0", "model_quant_type": self.kind, "group_size": 0, "metadata": {},
+                       **types}
+        (out_dir / "quant_model_description.json").write_text(json.dumps(description, indent=2) + "\n")
+
+
+def writer_for(fmt: str, scheme: str, group_size: int):
+    if fmt == "compressed-tensors":
+        return CompressedTensorsWriter(scheme, group_size)
+    if fmt == "modelslim":
+        return MsModelSlimWriter(scheme)
+    raise ValueError(f"--format must be one of ['compressed-tensors', 'modelslim'], got {fmt!r}")

@@ -1,0 +1,205 @@
+"""`pdmesh quantize`: every scheme and format it writes loads in the engine with the
+scheme's method; its files match the layouts the test helpers write independently (and
+compressed-tensors reads them back); smoothing keeps the float function and lowers what
+W8A8 costs on a model with an outlier channel; GPTQ beats round-to-nearest on its own
+objective; bad requests exit 2 naming the problem."""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from common.engine import LLM
+from common.model.tiny import make_tiny_model
+from services.cli import main as pdmesh_main
+from services.quantize.calibration import calibrate
+from services.quantize.gptq import gptq_int4
+from services.quantize.quantizer import QuantizeOptions, quantize_model
+from services.quantize.schemes import int4_per_group
+from services.quantize.smoothing import smooth
+from tests.quant_checkpoints import write_compressed_tensors_w8a8
+
+SMALL = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512)
+IDS = list(range(3, 40))
+
+
+def prompts(n: int = 4, length: int = 48, seed: int = 11) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, SMALL["vocab_size"]) for _ in range(length)] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def float_model(tmp_path_factory):
+    return make_tiny_model("qwen2", tmp_path_factory.mktemp("quantize") / "float", seed=3, **SMALL)
+
+
+@pytest.fixture(scope="module")
+def unrelated_model(float_model):
+    return make_tiny_model("qwen2", float_model.parent / "unrelated", seed=4, **SMALL)
+
+
+def logprobs(model_dir, **kwargs) -> torch.Tensor:
+    with LLM(str(model_dir), kernel_backend="ref", num_blocks=64, **kwargs) as llm:
+        return llm.prompt_logprobs_full(IDS).double()
+
+
+def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
+    return (p_log.exp() * (p_log - q_log)).sum(-1).mean().item()
+
+
+@pytest.mark.parametrize("scheme, fmt, method, want", [
+    ("w8a8", "modelslim", "rtn", "W8A8"),
+    ("w8a8-dynamic", "modelslim", "rtn", "W8A8_DYNAMIC"),
+    ("w8a8-mix", "modelslim", "rtn", "W8A8_MIX"),
+    ("w8a8-dynamic", "compressed-tensors", "rtn", "W8A8_DYNAMIC"),
+    ("w4a16", "compressed-tensors", "rtn", "W4A16"),
+    ("w4a16", "compressed-tensors", "gptq", "W4A16"),
+])
+def test_every_scheme_loads_with_its_method_and_stays_near_the_float_model(float_model, unrelated_model, tmp_path,
+                                                                          scheme, fmt, method, want):
+    """Near: a quarter of the distance to a model of other random weights (int4 on a tiny
+    random model costs a lot; a misread checkpoint costs all of it)."""
+    out = quantize_model(float_model, tmp_path / "q", prompts(),
+                         QuantizeOptions(scheme, fmt, method=method, group_size=32))
+    assert not (tmp_path / "q.partial").exists()
+    with LLM(str(out), kernel_backend="ref", num_blocks=64) as llm:
+        assert {linear.method.scheme for _, linear in llm.engine.model.linears()} == {want}
+        quantized = llm.prompt_logprobs_full(IDS).double()
+    assert kl(logprobs(float_model), quantized) < 0.25 * kl(logprobs(float_model), logprobs(unrelated_model))
+
+
+def test_compressed_tensors_w8a8_without_smoothing_is_the_reference_layout(float_model, tmp_path):
+    ours = quantize_model(float_model, tmp_path / "q", prompts(),
+                          QuantizeOptions("w8a8-dynamic", "compressed-tensors", smooth_alpha=None))
+    reference = write_compressed_tensors_w8a8(float_model, tmp_path / "ref")
+    got, want = load_file(ours / "model.safetensors"), load_file(reference / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    config = json.loads((ours / "config.json").read_text())["quantization_config"]
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    parsed = QuantizationConfig.model_validate(config).config_groups["group_0"]
+    preset = preset_name_to_scheme("W8A8", ["Linear"])
+    exclude = {"observer", "observer_kwargs"}
+    assert parsed.weights.model_dump(exclude=exclude) == preset.weights.model_dump(exclude=exclude)
+    assert parsed.input_activations.model_dump(exclude=exclude) == preset.input_activations.model_dump(exclude=exclude)
+
+
+def test_w4a16_files_decompress_with_compressed_tensors(float_model, tmp_path):
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    out = quantize_model(float_model, tmp_path / "q", prompts(), QuantizeOptions("w4a16", "compressed-tensors",
+                                                                                 group_size=32))
+    config = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
+    tensors, floats = load_file(out / "model.safetensors"), load_file(float_model / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj."
+    got = PackedQuantizationCompressor.decompress(
+        {k: tensors[name + k] for k in ("weight_packed", "weight_scale", "weight_shape")},
+        config.config_groups["group_0"])["weight"]
+    codes, scale = int4_per_group(floats[name + "weight"], 32)
+    assert torch.equal(got, codes.float() * scale.float().repeat_interleave(32, 1))   # the file's float32 scale
+
+
+def test_msmodelslim_description_names_every_tensor(float_model, tmp_path):
+    out = quantize_model(float_model, tmp_path / "q", prompts(), QuantizeOptions("w8a8-mix", "modelslim"))
+    description = json.loads((out / "quant_model_description.json").read_text())
+    tensors = load_file(out / "quant_model_weights.safetensors")
+    types = {k: v for k, v in description.items() if "." in k}
+    assert set(types) == set(tensors)
+    prefix = "model.layers.0.self_attn.q_proj."
+    assert {k[len(prefix):]: v for k, v in types.items() if k.startswith(prefix)} == {
+        "weight": "W8A8_MIX", "input_scale": "W8A8_MIX", "input_offset": "W8A8_MIX", "quant_bias": "W8A8_MIX",
+        "deq_scale": "W8A8_MIX", "weight_scale": "W8A8_MIX", "weight_offset": "W8A8_MIX", "bias": "FLOAT"}
+    assert types["model.layers.0.input_layernorm.weight"] == "FLOAT"
+    assert description["model_quant_type"] == "W8A8_MIX"
+
+
+@pytest.fixture(scope="module")
+def outlier_model(float_model):
+    """The float model with input channel 7 of every layer norm 40x: the outliers W8A8
+    per-token activations suffer from (SmolLM2's reach ~190x the median)."""
+    out = shutil.copytree(float_model, float_model.parent / "outlier")
+    tensors = load_file(out / "model.safetensors")
+    for name in tensors:
+        if name.endswith("layernorm.weight"):
+            tensors[name][7] *= 40
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
+def test_smoothing_keeps_the_float_function(outlier_model):
+    tensors = {k: v.clone() for k, v in load_file(outlier_model / "model.safetensors").items()}
+    stats = calibrate(outlier_model, prompts())
+    assert len(smooth(tensors, stats, 0.5)) == 2 * SMALL["num_layers"]
+    moved = outlier_model.parent / "smoothed-float"
+    shutil.copytree(outlier_model, moved, dirs_exist_ok=True)
+    save_file(tensors, moved / "model.safetensors")
+    assert kl(logprobs(outlier_model), logprobs(moved)) < 1e-6     # float32 rounding (W8A8 costs ~1e-2)
+
+
+def test_smoothing_lowers_the_w8a8_error_of_a_layer_with_outlier_inputs(outlier_model):
+    """Layer 0's q/k/v on the inputs the outlier model feeds it: the W8A8 (per-token int8
+    activations, per-channel int8 weights) output error, relative to the float output,
+    without and with SmoothQuant's alpha 0.5."""
+    from services.quantize.schemes import int8_per_channel
+    from services.quantize.smoothing import smoothing_factors
+    captured = []
+    with LLM(str(outlier_model), kernel_backend="ref", num_blocks=64) as llm:
+        qkv = dict(llm.engine.model.linears())["layers.0.self_attn.qkv"]
+        qkv.register_forward_pre_hook(lambda _m, args: captured.append(args[0].double().clone()))
+        llm.prompt_logprobs_full(IDS)
+    x = torch.cat(captured)
+    tensors = load_file(outlier_model / "model.safetensors")
+    w = torch.cat([tensors[f"model.layers.0.self_attn.{p}_proj.weight"].double() for p in "qkv"])
+    exact = x @ w.t()
+
+    def w8a8_error(x: torch.Tensor, w: torch.Tensor) -> float:
+        codes, scale = int8_per_channel(w, 127.5)
+        amax = x.abs().amax(-1, keepdim=True)
+        s = amax / 127.5
+        y = (torch.round(x / s).clamp(-128, 127) * s) @ (codes.double() * scale).t()
+        return float((y - exact).norm() / exact.norm())
+
+    s = smoothing_factors(x.abs().amax(0), w.abs().amax(0), 0.5)
+    plain, smoothed = w8a8_error(x, w), w8a8_error(x / s, w * s)
+    assert smoothed < 0.5 * plain, (plain, smoothed)
+
+
+def test_gptq_beats_round_to_nearest_on_its_objective(float_model):
+    """||X (W - Q)^T||^2 over the calibration inputs, summed over every projection."""
+    stats = calibrate(float_model, prompts(8, 64), hessian=True)
+    tensors = load_file(float_model / "model.safetensors")
+    totals = {"rtn": 0.0, "gptq": 0.0}
+    for st in stats.values():
+        for name in st.projections:
+            w = tensors[name + ".weight"].double()
+            for method in totals:
+                codes, scale = (gptq_int4(w, st.xtx, st.num_tokens, 32) if method == "gptq"
+                                else int4_per_group(w, 32))
+                d = w - codes.double() * scale.repeat_interleave(32, 1)
+                totals[method] += float(torch.einsum("ni,ij,nj->", d, st.xtx, d))
+    assert totals["gptq"] < 0.8 * totals["rtn"], totals
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--scheme", "w8a8", "--format", "compressed-tensors"], "--scheme w8a8 cannot be written as compressed-tensors"),
+    (["--scheme", "w4a16", "--format", "modelslim"], "--scheme w4a16 cannot be written as msModelSlim"),
+    (["--scheme", "w8a8", "--format", "modelslim", "--method", "gptq"], "--method gptq applies to --scheme w4a16"),
+    (["--scheme", "int3", "--format", "modelslim"], "--scheme must be one of"),
+    (["--scheme", "w4a16", "--format", "compressed-tensors", "--group-size", "12"], "--group-size must be"),
+])
+def test_bad_requests_exit_2_naming_the_problem(float_model, tmp_path, capsys, args, message):
+    code = pdmesh_main(["quantize", str(float_model), "--calib", "gpl-3", "--out", str(tmp_path / "q"),
+                        "--num-prompts", "1", "--prompt-len", "16", *args])
+    assert code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()
+
+
+def test_a_quantized_model_is_not_quantized_again(float_model, tmp_path, capsys):
+    once = write_compressed_tensors_w8a8(float_model, tmp_path / "once")
+    code = pdmesh_main(["quantize", str(once), "--scheme", "w8a8", "--format", "modelslim", "--calib", "gpl-3",
+                        "--out", str(tmp_path / "twice"), "--num-prompts", "1", "--prompt-len", "16"])
+    assert code == 2 and "already quantized (compressed-tensors); give a float model" in capsys.readouterr().err
