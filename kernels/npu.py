@@ -162,6 +162,52 @@ class NpuBackend(Backend):
                                list(range(1, meta.num_seqs + 1)), list(meta.seq_lens_list),
                                scale, causal=False)
 
+    # quantized linears (vllm-ascend's calls): W8A8 dynamic npu_dynamic_quant + npu_quant_matmul
+    # with pertoken_scale; W8A8 static npu_quantize (x * 1/scale + offset) + npu_quant_matmul
+    # with the int32 bias; W4A16 npu_weight_quant_batchmatmul on npu_convert_weight_to_int4pack
+    int8_path = "npu_dynamic_quant / npu_quantize + npu_quant_matmul"
+    int4_path = "npu_weight_quant_batchmatmul on int4-packed weights"
+
+    def quantize_per_token(self, x, divisor: float):
+        if divisor != 127.0:         # npu_dynamic_quant's divisor is 127; another convention: torch ops
+            return super().quantize_per_token(x, divisor)
+        x_q, scale = self._npu.npu_dynamic_quant(x)
+        return x_q, scale.reshape(-1, 1)
+
+    def quantize_per_tensor(self, x, scale: float, offset: float):
+        width = x.shape[-1]
+        return self._npu.npu_quantize(x, torch.full((width,), 1.0 / scale, dtype=x.dtype, device=x.device),
+                                      torch.full((width,), offset, dtype=x.dtype, device=x.device),
+                                      torch.qint8, -1, False)
+
+    def prepare_int8_weight(self, weight):
+        return weight.t().contiguous()        # [in, out]: npu_quant_matmul's x2
+
+    def int8_matmul(self, x_q, weight):
+        raise NotImplementedError("the npu backend multiplies int8 through int8_scaled_matmul only")
+
+    def int8_scaled_matmul(self, x_q, weight, scale, row_scale=None, int_bias=None, bias=None,
+                           out_dtype=torch.float32):
+        out = self._npu.npu_quant_matmul(
+            x_q, weight, scale.reshape(-1), pertoken_scale=None if row_scale is None else row_scale.reshape(-1),
+            bias=int_bias if int_bias is not None else bias, output_dtype=out_dtype)
+        if int_bias is not None and bias is not None:     # one bias argument: the float one after
+            out = out + bias.to(out_dtype)
+        return out
+
+    def prepare_int4_weight(self, codes, scale, group_size: int, dtype):
+        packed = self._npu.npu_convert_weight_to_int4pack((codes - 8).t().contiguous())    # [in, out / 8]
+        return packed, scale.t().contiguous().to(dtype), group_size
+
+    def int4_linear(self, x, weight, bias):
+        packed, scale, group_size = weight
+        rows = x.reshape(-1, x.shape[-1])
+        if bias is not None:
+            bias = bias.float() if x.dtype == torch.bfloat16 else bias.to(x.dtype)
+        out = self._npu.npu_weight_quant_batchmatmul(rows, packed, scale, bias=bias,
+                                                     antiquant_group_size=group_size)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
     def rms_norm(self, x, weight, eps: float) -> torch.Tensor:
         return self._npu.npu_rms_norm(x, weight, epsilon=eps)[0]
 

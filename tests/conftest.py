@@ -80,6 +80,25 @@ def npu_emulator():
     return fake_torch_npu
 
 
+@pytest.fixture()
+def npu_op_calls(npu_emulator, monkeypatch):
+    """The emulator with every op counted: a Counter of torch_npu op name -> calls (proof
+    that a path ran through the NPU ops)."""
+    import collections
+    import sys
+    calls: collections.Counter = collections.Counter()
+    module = sys.modules["torch_npu"]
+    for name in [n for n in vars(module) if n.startswith(("npu_", "_npu_"))]:
+        op = getattr(module, name)
+
+        def counted(*args, _op=op, _name=name, **kwargs):
+            calls[_name] += 1
+            return _op(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")

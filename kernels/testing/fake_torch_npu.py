@@ -26,6 +26,9 @@ result with plain torch in float32. Ops and the contracts enforced:
   npu_rms_norm              -> (y, rstd); gamma in x's dtype, shaped like x's last dims.
   npu_rotary_mul            3-D/4-D input, r1/r2 of the same rank and dtype in [-1, 1],
                             rotary_mode "half" (rotate-half) or "interleave".
+  quantized linears         npu_dynamic_quant, npu_quantize, npu_quant_matmul,
+                            npu_convert_weight_to_int4pack, npu_weight_quant_batchmatmul:
+                            kernels/testing/fake_npu_quant.py.
 
 One relaxation: float32 query/key/value are accepted on CPU tensors (the engine's float32
 tests); on any other device the op's float16/bfloat16 rule applies.
@@ -355,10 +358,11 @@ def install(*, without: tuple[str, ...] = (), scale_keyword: str = "scale",
     mod.__version__ = "0.0.0+pdmesh.emulator"
     mod._pdmesh_emulator = True
     mod.npu = types.SimpleNamespace(is_available=lambda: False, device_count=lambda: 0)
+    from kernels.testing.fake_npu_quant import OPS as QUANT_OPS
     ops = {"npu_scatter_pa_kv_cache": npu_scatter_pa_kv_cache,
            "_npu_reshape_and_cache": _npu_reshape_and_cache,
            "npu_fused_infer_attention_score": _make_fia(scale_keyword, strict_head_dim),
-           "npu_rms_norm": npu_rms_norm, "npu_rotary_mul": npu_rotary_mul}
+           "npu_rms_norm": npu_rms_norm, "npu_rotary_mul": npu_rotary_mul, **QUANT_OPS}
     unknown = set(without) - set(ops)
     if unknown:
         raise ValueError(f"without names unknown ops {sorted(unknown)}; ops: {sorted(ops)}")

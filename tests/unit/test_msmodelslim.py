@@ -57,10 +57,14 @@ def reference_kls(model_dir, path: str, ours: torch.Tensor) -> tuple[float, floa
 
 
 @pytest.mark.parametrize("kind, path", [("W8A8", "static"), ("W8A8_DYNAMIC", "dynamic")])
-@pytest.mark.parametrize("backend", ["cpu", "ref"])
-def test_each_scheme_is_as_close_to_its_float64_math_as_float32_gets(checkpoints, kind, path, backend):
+@pytest.mark.parametrize("backend", ["cpu", "ref", "npu"])
+def test_each_scheme_is_as_close_to_its_float64_math_as_float32_gets(checkpoints, kind, path, backend, request):
+    calls = request.getfixturevalue("npu_op_calls") if backend == "npu" else None
     ours_kl, fp32_kl = reference_kls(checkpoints[kind], path, logprobs(checkpoints[kind], kernel_backend=backend))
     assert ours_kl <= 1.5 * fp32_kl + 2e-5, (ours_kl, fp32_kl)   # 2e-5: about one code that rounds the other way
+    if calls is not None:       # every projection of every step went through the NPU's quantized ops
+        quantize = "npu_quantize" if path == "static" else "npu_dynamic_quant"
+        assert calls["npu_quant_matmul"] == calls[quantize] > 0 and calls["npu_quant_matmul"] % 4 == 0
 
 
 def test_the_static_path_never_adds_the_float_bias(checkpoints):

@@ -35,8 +35,9 @@ def test_unpacking_reads_each_code_at_its_bits():
     assert torch.equal(unpack_int4(packed) - 8, codes.to(torch.int32))
 
 
-@pytest.mark.parametrize("backend_name", ["cpu", "ref"])
-def test_greedy_tokens_equal_the_float64_dequantized_model(w4a16_model, backend_name):
+@pytest.mark.parametrize("backend_name", ["cpu", "ref", "npu"])
+def test_greedy_tokens_equal_the_float64_dequantized_model(w4a16_model, backend_name, request):
+    calls = request.getfixturevalue("npu_op_calls") if backend_name == "npu" else None
     prompt = list(range(5, 29))
     ref = w4a16_reference_model(w4a16_model, GROUP)
     ids = torch.tensor([prompt])
@@ -52,6 +53,9 @@ def test_greedy_tokens_equal_the_float64_dequantized_model(w4a16_model, backend_
     assert out[0].outputs[0].token_ids == want
     linears = dict(llm.engine.model.linears())
     assert {linear.method.scheme for linear in linears.values()} == {"W4A16"}
+    if calls is not None:       # packed once per layer, multiplied once per layer and step
+        assert calls["npu_convert_weight_to_int4pack"] == len(linears)
+        assert calls["npu_weight_quant_batchmatmul"] >= 16 * len(linears)
 
 
 def test_the_kernels_match_the_dequantized_weight():

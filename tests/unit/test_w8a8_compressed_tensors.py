@@ -77,11 +77,14 @@ def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
     return (p_log.exp() * (p_log - q_log)).sum(-1)
 
 
-@pytest.mark.parametrize("backend_name", ["cpu", "ref"])
-def test_the_model_is_as_close_to_the_float64_scheme_as_float32_gets(w8a8_model, float_model, backend_name):
+@pytest.mark.parametrize("backend_name", ["cpu", "ref", "npu"])
+def test_the_model_is_as_close_to_the_float64_scheme_as_float32_gets(w8a8_model, float_model, backend_name,
+                                                                     request):
     """KL per position from transformers computing the same W8A8 math in float64: ours within
     1.5x of what transformers' own float32 run of that math reaches, and a tenth of the
     float model's distance (what the quantization itself costs)."""
+    if backend_name == "npu":
+        request.getfixturevalue("npu_emulator")
     ids = list(range(3, 40))
     ref = w8a8_reference_model(w8a8_model)
     with torch.no_grad():
