@@ -86,16 +86,19 @@ def npu_op_calls(npu_emulator, monkeypatch):
     that a path ran through the NPU ops)."""
     import collections
     import sys
+    from kernels import get_backend
     calls: collections.Counter = collections.Counter()
-    module = sys.modules["torch_npu"]
-    for name in [n for n in vars(module) if n.startswith(("npu_", "_npu_"))]:
-        op = getattr(module, name)
+    # the npu backend is cached: it may hold an emulator installed before this session's one
+    modules = {id(m): m for m in (sys.modules["torch_npu"], get_backend("npu", "cpu")._npu)}
+    for module in modules.values():
+        for name in [n for n in vars(module) if n.startswith(("npu_", "_npu_"))]:
+            op = getattr(module, name)
 
-        def counted(*args, _op=op, _name=name, **kwargs):
-            calls[_name] += 1
-            return _op(*args, **kwargs)
+            def counted(*args, _op=op, _name=name, **kwargs):
+                calls[_name] += 1
+                return _op(*args, **kwargs)
 
-        monkeypatch.setattr(module, name, counted)
+            monkeypatch.setattr(module, name, counted)
     return calls
 
 

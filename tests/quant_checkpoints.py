@@ -86,8 +86,10 @@ def dequantized_w4a16(tensors: dict, name: str, group_size: int) -> torch.Tensor
     return codes.double() * tensors[prefix + "weight_scale"].double().repeat_interleave(group_size, dim=1)
 
 
-def write_compressed_tensors_w4a16(float_dir: Path, out_dir: Path, group_size: int) -> Path:
-    """A copy of float_dir with its projections W4A16-quantized (groups of group_size inputs)."""
+def _rewrite(float_dir: Path, out_dir: Path, projection, quantization_config: dict) -> Path:
+    """A copy of float_dir with each projection weight replaced by projection(name, weight)'s
+    tensors (name: the weight's prefix, e.g. "model.layers.0.mlp.up_proj.") and config.json
+    given quantization_config."""
     out_dir = Path(out_dir)
     shutil.copytree(float_dir, out_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
     tensors = {}
@@ -96,26 +98,40 @@ def write_compressed_tensors_w4a16(float_dir: Path, out_dir: Path, group_size: i
     out = {}
     for name, tensor in tensors.items():
         if is_projection(name):
-            codes, scale = quantize_per_group(tensor, group_size)
-            prefix = name[:-len("weight")]
-            out[prefix + "weight_packed"] = pack_int4(codes)
-            out[prefix + "weight_scale"] = scale
-            out[prefix + "weight_shape"] = torch.tensor(tensor.shape, dtype=torch.int64)
+            out.update(projection(name[:-len("weight")], tensor))
         else:
             out[name] = tensor
     save_file(out, out_dir / "model.safetensors")
     cfg = json.loads((out_dir / "config.json").read_text())
-    cfg["quantization_config"] = w4a16_config(group_size)
+    cfg["quantization_config"] = quantization_config
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     return out_dir
 
 
-def w4a16_reference_model(quant_dir: Path, group_size: int):
-    """transformers' model of quant_dir's architecture in float64 on the dequantized weights."""
+def write_compressed_tensors_w4a16(float_dir: Path, out_dir: Path, group_size: int) -> Path:
+    """A copy of float_dir with its projections W4A16-quantized (groups of group_size inputs)."""
+    def projection(prefix: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        codes, scale = quantize_per_group(weight, group_size)
+        return {prefix + "weight_packed": pack_int4(codes), prefix + "weight_scale": scale,
+                prefix + "weight_shape": torch.tensor(weight.shape, dtype=torch.int64)}
+
+    return _rewrite(float_dir, out_dir, projection, w4a16_config(group_size))
+
+
+def _float64_model(quant_dir: Path, state: dict[str, torch.Tensor]):
+    """transformers' model of quant_dir's architecture (its quantization_config dropped) in
+    float64 with state loaded; every tensor taken, only a tied lm_head may be missing."""
     import transformers
     hf_cfg = transformers.AutoConfig.from_pretrained(quant_dir)
     del hf_cfg.quantization_config
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg).double().eval()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert unexpected == [] and set(missing) <= {"lm_head.weight"} and (not missing or hf_cfg.tie_word_embeddings)
+    return model
+
+
+def w4a16_reference_model(quant_dir: Path, group_size: int):
+    """transformers' model of quant_dir's architecture in float64 on the dequantized weights."""
     tensors = load_file(Path(quant_dir) / "model.safetensors")
     state = {}
     for name, tensor in tensors.items():
@@ -124,31 +140,16 @@ def w4a16_reference_model(quant_dir: Path, group_size: int):
             state[weight_name] = dequantized_w4a16(tensors, weight_name, group_size)
         elif not name.endswith(("weight_scale", "weight_shape")):
             state[name] = tensor.double()
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert unexpected == [] and set(missing) <= {"lm_head.weight"} and (not missing or hf_cfg.tie_word_embeddings)
-    return model
+    return _float64_model(quant_dir, state)
 
 
 def write_compressed_tensors_w8a8(float_dir: Path, out_dir: Path, config: dict | None = None) -> Path:
     """A copy of float_dir (one safetensors file) with its projections W8A8-quantized."""
-    out_dir = Path(out_dir)
-    shutil.copytree(float_dir, out_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
-    tensors = {}
-    for path in sorted(Path(float_dir).glob("*.safetensors")):
-        tensors.update(load_file(path))
-    out = {}
-    for name, tensor in tensors.items():
-        if is_projection(name):
-            codes, scale = quantize_per_channel(tensor, CT_DIVISOR)
-            out[name] = codes
-            out[name[:-len("weight")] + "weight_scale"] = scale
-        else:
-            out[name] = tensor
-    save_file(out, out_dir / "model.safetensors")
-    cfg = json.loads((out_dir / "config.json").read_text())
-    cfg["quantization_config"] = config or W8A8_CONFIG
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    return out_dir
+    def projection(prefix: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        codes, scale = quantize_per_channel(weight, CT_DIVISOR)
+        return {prefix + "weight": codes, prefix + "weight_scale": scale}
+
+    return _rewrite(float_dir, out_dir, projection, config or W8A8_CONFIG)
 
 
 def fake_quant_per_token(x: torch.Tensor, divisor: float) -> torch.Tensor:
@@ -166,10 +167,6 @@ def w8a8_reference_model(quant_dir: Path, divisor: float = CT_DIVISOR, tensor_pa
     computing the scheme's math: y = fakequant_token(x) @ (codes * scale)^T + b. At
     tensor_parallel_size n a row-parallel projection (o, down) quantizes each of its n
     equal column shares of a token on its own, as the ranks do."""
-    import transformers
-    hf_cfg = transformers.AutoConfig.from_pretrained(quant_dir)
-    del hf_cfg.quantization_config
-    model = transformers.AutoModelForCausalLM.from_config(hf_cfg).double().eval()
     tensors = load_file(Path(quant_dir) / "model.safetensors")
     state = {}
     for name, tensor in tensors.items():
@@ -178,8 +175,8 @@ def w8a8_reference_model(quant_dir: Path, divisor: float = CT_DIVISOR, tensor_pa
         if is_projection(name):
             tensor = tensor.double() * tensors[name[:-len("weight")] + "weight_scale"].double()
         state[name] = tensor.double()
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert unexpected == [] and set(missing) <= {"lm_head.weight"} and (not missing or hf_cfg.tie_word_embeddings)
+    model = _float64_model(quant_dir, state)
+
     def per_rank(x: torch.Tensor) -> torch.Tensor:
         return torch.cat([fake_quant_per_token(part, divisor) for part in x.chunk(tensor_parallel_size, dim=-1)],
                          dim=-1)

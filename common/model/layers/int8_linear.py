@@ -48,13 +48,7 @@ class Int8DynamicLinearMethod(LinearMethod):
     def process_after_loading(self, layer: Linear, backend: Backend) -> None:
         if self.weight_offset:
             check_zero_offsets(layer)
-        if id(backend) not in self._told:
-            self._told.add(id(backend))
-            log.info("W8A8 dynamic linear layers: %s", backend.int8_path)
-        dense = layer.weight.data
-        layer.prepared = backend.prepare_int8_weight(dense)
-        if layer.prepared is not dense:
-            layer.weight.data = dense.new_empty(0)
+        prepare_int8_weight(layer, backend, self._told, "W8A8 dynamic")
         layer.weight_scale.data = layer.weight_scale.data.reshape(1, -1).contiguous()   # [1, out]
 
     def apply(self, layer: Linear, backend: Backend, x: torch.Tensor,
@@ -75,3 +69,15 @@ def check_zero_offsets(layer: Linear) -> None:
                              f"supported; supported: symmetric (weight_offset 0)")
         rows += part.out
     layer.weight_offset.data = layer.weight_offset.data.new_empty(0)
+
+
+def prepare_int8_weight(layer: Linear, backend: Backend, told: set[int], label: str) -> None:
+    """layer.prepared = the backend's form of the int8 weight (the dense storage released
+    when it made another); the backend's int8 path logged once per backend and method."""
+    if id(backend) not in told:
+        told.add(id(backend))
+        log.info("%s linear layers: %s", label, backend.int8_path)
+    dense = layer.weight.data
+    layer.prepared = backend.prepare_int8_weight(dense)
+    if layer.prepared is not dense:
+        layer.weight.data = dense.new_empty(0)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.model.layers.int8_linear import Int8DynamicLinearMethod, check_zero_offsets
+from common.model.layers.int8_linear import Int8DynamicLinearMethod, check_zero_offsets, prepare_int8_weight
 from common.model.layers.linear import Linear, LinearMethod, WeightSpec
 
 if TYPE_CHECKING:
@@ -71,13 +71,7 @@ class Int8StaticLinearMethod(LinearMethod):
             raise ValueError(f"{layer.parts[0].name}.input_scale must be > 0 and input_offset an integer, "
                              f"got {scale} and {offset}")
         layer.static_input = (scale, offset)
-        if id(backend) not in self._told:
-            self._told.add(id(backend))
-            log.info("W8A8 static linear layers: %s", backend.int8_path)
-        dense = layer.weight.data
-        layer.prepared = backend.prepare_int8_weight(dense)
-        if layer.prepared is not dense:
-            layer.weight.data = dense.new_empty(0)
+        prepare_int8_weight(layer, backend, self._told, "W8A8 static")
         layer.deq_scale.data = layer.deq_scale.data.reshape(1, -1).contiguous()
 
     def apply(self, layer: Linear, backend: Backend, x: torch.Tensor,
