@@ -123,16 +123,19 @@ def test_every_linear_of_a_float_model_gets_the_float_method_and_rank_rows(tmp_p
         (2 + 2 * 1) * hd, 64, 64, 2 * hd, 2 * hd)
 
 
-@pytest.mark.parametrize("files, named", [
-    ({"quant_model_description.json": {"model_quant_type": "W8A8", "version": "1.0.0"}}, "'msmodelslim W8A8'"),
-    ({"config.json": {"quantization_config": {"quant_method": "gptq", "bits": 4}}}, "'gptq'"),
+@pytest.mark.parametrize("files, message", [
+    ({"quant_model_description.json": {"model_quant_type": "W8A8", "version": "1.0.0"}},
+     r"quant_model_description\.json: no entry for 'model\.layers\.0\.self_attn\.q_proj\.weight'"),
+    ({"config.json": {"quantization_config": {"quant_method": "gptq", "bits": 4}}},
+     r"quantization 'gptq' is not supported; supported: \['float', 'compressed-tensors', 'msmodelslim'\]"),
+    ({"quant_model_description_w8a8.json": {"model_quant_type": "W8A8"}},
+     r"quant_model_description_w8a8\.json: msModelSlim descriptions are read from quant_model_description\.json"),
 ])
-def test_a_quantized_checkpoint_is_refused_at_load_with_its_scheme(tmp_path, files, named):
+def test_a_quantized_checkpoint_it_cannot_read_is_refused_at_load(tmp_path, files, message):
     model = make_tiny_model("llama", tmp_path / "m", seed=3, **SMALL)
     for name, extra in files.items():
         path = model / name
         raw = json.loads(path.read_text()) if path.exists() else {}
         path.write_text(json.dumps({**raw, **extra}))
-    with pytest.raises(ValueError, match=rf"{model}: quantization {named} is not supported; supported: "
-                                         r"\['float', 'compressed-tensors'\]"):
+    with pytest.raises(ValueError, match=message):
         LLMEngine(EngineConfig(model=str(model), num_blocks=64))
