@@ -42,6 +42,9 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return False
 
 
+INT4_GROUPS = (32, 64, 128, 256)
+
+
 @dataclass(frozen=True)
 class Int4Packed:
     """A 4-bit weight as torch's CPU int4 matmul takes it: the repacked codes and
@@ -99,7 +102,8 @@ class CpuBackend(RefBackend):
 
     def prepare_int4_weight(self, codes: torch.Tensor, scale: torch.Tensor, group_size: int,
                             dtype: torch.dtype) -> Any:
-        if dtype != torch.float32 or codes.shape[0] % 16:   # its repack needs 16 | out_features
+        if dtype != torch.float32 or codes.shape[0] % 16 or group_size not in INT4_GROUPS:
+            # torch's int4 matmul: 16 | out_features, groups of 32, 64, 128 or 256 inputs
             return super().prepare_int4_weight(codes, scale, group_size, dtype)
         packed = torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
         scales_and_zeros = torch.stack([scale.t(), torch.zeros_like(scale.t())], dim=-1).contiguous()

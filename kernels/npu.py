@@ -90,6 +90,7 @@ class NpuBackend(Backend):
         self._scale_kw = scale_keyword(self._npu.npu_fused_infer_attention_score)
         self._masks: dict[torch.device, torch.Tensor] = {}
         self._slots_cache: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        self._static_inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def supported_block_sizes(self) -> list[int] | None:
         return [BLOCK_SIZE]
@@ -175,10 +176,13 @@ class NpuBackend(Backend):
         return x_q, scale.reshape(-1, 1)
 
     def quantize_per_tensor(self, x, scale: float, offset: float):
-        width = x.shape[-1]
-        return self._npu.npu_quantize(x, torch.full((width,), 1.0 / scale, dtype=x.dtype, device=x.device),
-                                      torch.full((width,), offset, dtype=x.dtype, device=x.device),
-                                      torch.qint8, -1, False)
+        key = (scale, offset, x.shape[-1], x.dtype, x.device)
+        pair = self._static_inputs.get(key)
+        if pair is None:        # one (1 / scale, offset) pair of [K] tensors per layer input, made once
+            width = x.shape[-1]
+            pair = self._static_inputs[key] = (torch.full((width,), 1.0 / scale, dtype=x.dtype, device=x.device),
+                                               torch.full((width,), offset, dtype=x.dtype, device=x.device))
+        return self._npu.npu_quantize(x, pair[0], pair[1], torch.qint8, -1, False)
 
     def prepare_int8_weight(self, weight):
         return weight.t().contiguous()        # [in, out]: npu_quant_matmul's x2
@@ -196,10 +200,15 @@ class NpuBackend(Backend):
         return out
 
     def prepare_int4_weight(self, codes, scale, group_size: int, dtype):
+        k, n = codes.shape[1], codes.shape[0]
+        if group_size % 32 or group_size > k - 1 or n % 8:   # the op's rules: the weight dequantized instead
+            return super().prepare_int4_weight(codes, scale, group_size, dtype)
         packed = self._npu.npu_convert_weight_to_int4pack((codes - 8).t().contiguous())    # [in, out / 8]
         return packed, scale.t().contiguous().to(dtype), group_size
 
     def int4_linear(self, x, weight, bias):
+        if isinstance(weight, torch.Tensor):
+            return super().int4_linear(x, weight, bias)
         packed, scale, group_size = weight
         rows = x.reshape(-1, x.shape[-1])
         if bias is not None:

@@ -56,9 +56,9 @@ def is_projection(name: str) -> bool:
 def quantize_per_channel(weight: torch.Tensor, divisor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 codes and the scale [out, 1] (weight's dtype) of symmetric per-row quantization."""
     w = weight.double()
-    scale = (w.abs().amax(dim=1, keepdim=True) / divisor).clamp_min(1e-12)
-    codes = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
-    return codes, scale.to(weight.dtype)
+    scale = (w.abs().amax(dim=1, keepdim=True) / divisor).clamp_min(1e-12).to(weight.dtype)   # as the file holds it
+    codes = torch.round(w / scale.double()).clamp(-128, 127).to(torch.int8)
+    return codes, scale
 
 
 def quantize_per_group(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,9 +66,9 @@ def quantize_per_group(weight: torch.Tensor, group_size: int) -> tuple[torch.Ten
     quantization with compressed-tensors' divisor 7.5."""
     w = weight.double()
     groups = w.reshape(w.shape[0], -1, group_size)
-    scale = (groups.abs().amax(dim=-1) / 7.5).clamp_min(1e-12)
-    codes = torch.round(groups / scale.unsqueeze(-1)).clamp(-8, 7).reshape(w.shape).to(torch.int8)
-    return codes, scale.to(weight.dtype)
+    scale = (groups.abs().amax(dim=-1) / 7.5).clamp_min(1e-12).to(weight.dtype)   # as the file holds it
+    codes = torch.round(groups / scale.double().unsqueeze(-1)).clamp(-8, 7).reshape(w.shape).to(torch.int8)
+    return codes, scale
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,9 @@ class Loadable(Protocol):
 
 @torch.inference_mode()
 def load_weights(model: Loadable, model_dir: str | Path, dtype: torch.dtype, what: str) -> None:
-    """ValueError naming the file and the tensor on an unexpected tensor or a shape
-    mismatch; naming the tensors when any is missing. what: the model, for the errors."""
+    """ValueError naming the file and the tensor on an unexpected tensor, a shape mismatch
+    or an integer tensor where a float one belongs (or the reverse: a cast would be
+    garbage); naming the tensors when any is missing. what: the model, for the errors."""
     slots = model.weight_slots()
     ignored_names, ignored_suffixes = model.ignored_tensors()
     sources = {name: slot.source for name, slot in slots.items() if slot.source is not None}
@@ -44,6 +45,10 @@ def load_weights(model: Loadable, model_dir: str | Path, dtype: torch.dtype, wha
                              f"from config.json")
         if slot.convert is not None:
             tensor = slot.convert(tensor)
+        elif tensor.dtype.is_floating_point != slot.param.dtype.is_floating_point:
+            raise ValueError(f"{path}: tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')}, expected "
+                             f"{'a float' if slot.param.dtype.is_floating_point else 'an integer'} tensor "
+                             f"({str(slot.param.dtype).removeprefix('torch.')}) for {what}'s quantization")
         slot.param.data[slot.start:slot.end].copy_(tensor)
         loaded.add(name)
     missing = sorted(name for name in set(slots) - loaded if not slots[name].optional)

@@ -4,6 +4,8 @@ inverse Hessian of the layer's inputs, so that ||X W^T - X Q^T|| on the calibrat
 activations X stays small where round-to-nearest leaves it large.
 
     H = 2 X^T X / tokens + damp * mean(diag) * I          (dead inputs: H_jj = 1, W[:, j] = 0)
+    (X^T X is float64 [in, in] per linear layer, kept for all layers during calibration:
+    8 * in^2 bytes each, ~2 GB a layer for an 8B Llama: a 135M model needs ~100 MB)
     U = chol(H^-1, upper)
     for each column j (in blocks of 128 columns, lazy updates):
         at a group's first column: s = max|W[:, group]| / 7.5 from the updated weights
@@ -13,6 +15,8 @@ activations X stays small where round-to-nearest leaves it large.
 from __future__ import annotations
 
 import torch
+
+from services.quantize.schemes import TINY, stored
 
 DAMP = 0.01
 
@@ -39,7 +43,7 @@ def gptq_int4(weight: torch.Tensor, xtx: torch.Tensor, num_tokens: int, group_si
         for i in range(b1 - b0):
             col = b0 + i
             if col % group_size == 0:
-                s = (wb[:, i:i + group_size].abs().amax(dim=1) / 7.5).clamp_min(1e-12)
+                s = stored((wb[:, i:i + group_size].abs().amax(dim=1) / 7.5).clamp_min(TINY), weight.dtype)
                 scales[:, col // group_size] = s
             s = scales[:, col // group_size]
             q = torch.round(wb[:, i] / s).clamp(-8, 7)

@@ -45,6 +45,31 @@ class QuantizeOptions:
             raise ValueError(f"--group-size must be a positive multiple of 8, got {self.group_size}")
 
 
+def check_out_dir(model_dir: Path, out_dir: Path) -> None:
+    """ValueError unless out_dir may be written: not the model, not a folder holding it, and,
+    when it exists, empty or a quantized model (what an earlier run wrote)."""
+    model, out = model_dir.resolve(), out_dir.resolve()
+    if out == model or out in model.parents:
+        raise ValueError(f"--out {out_dir} is the model or a folder holding it; give a new folder")
+    if out.exists() and any(out.iterdir()):
+        if not out.is_dir() or quantization_of(out) == "float":
+            raise ValueError(f"--out {out_dir} exists and is not a quantized model; give a new or empty folder")
+
+
+def check_groups(model_dir: Path, group_size: int) -> None:
+    """ValueError unless group_size divides every projection's input features."""
+    from common.model.config import load_model_config
+    cfg = load_model_config(model_dir)
+    widths = {"hidden_size": cfg.hidden_size, "num_attention_heads * head_dim": cfg.num_heads * cfg.head_dim,
+              "intermediate_size": cfg.intermediate_size}
+    bad = {name: width for name, width in widths.items() if width % group_size}
+    if bad:
+        fits = [g for g in (256, 128, 64, 32, 16, 8) if all(w % g == 0 for w in widths.values())]
+        hint = f"; {fits[0]} fits" if fits else ""
+        raise ValueError(f"--group-size {group_size} must divide every projection's inputs; it does not divide "
+                         f"{', '.join(f'{k} = {v}' for k, v in bad.items())}{hint}")
+
+
 def quantize_model(model_dir: str | Path, out_dir: str | Path, prompts: list[list[int]],
                    options: QuantizeOptions) -> Path:
     model_dir, out_dir = Path(model_dir), Path(out_dir)
@@ -53,6 +78,9 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, prompts: list[lis
     if quantization_of(model_dir) != "float":
         raise ValueError(f"{model_dir}: already quantized ({quantization_of(model_dir)}); give a float model")
     writer = writer_for(options.fmt, options.scheme, options.group_size)
+    check_out_dir(model_dir, out_dir)
+    if options.scheme == "w4a16":
+        check_groups(model_dir, options.group_size)
     start = time.perf_counter()
     tensors = {name: tensor for name, tensor, _ in iter_checkpoint(model_dir)}
     stats = calibrate(model_dir, prompts, hessian=options.method == "gptq")

@@ -15,18 +15,24 @@ import torch
 TINY = 1e-12
 
 
+def stored(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The scale as the file will hold it (in dtype), back in float64: codes are rounded
+    against the scale a reader multiplies by, not a more precise one."""
+    return scale.to(dtype).double()
+
+
 def int8_per_channel(weight: torch.Tensor, divisor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 codes [out, in], float64 scale [out, 1])."""
+    """(int8 codes [out, in], float64 scale [out, 1], exact in weight's dtype)."""
     w = weight.double()
-    scale = (w.abs().amax(dim=1, keepdim=True) / divisor).clamp_min(TINY)
+    scale = stored((w.abs().amax(dim=1, keepdim=True) / divisor).clamp_min(TINY), weight.dtype)
     return torch.round(w / scale).clamp(-128, 127).to(torch.int8), scale
 
 
 def int4_per_group(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 codes -8..7 [out, in], float64 scale [out, in / group_size])."""
+    """(int8 codes -8..7 [out, in], float64 scale [out, in / group_size], exact in weight's dtype)."""
     w = weight.double()
     groups = w.reshape(w.shape[0], -1, group_size)
-    scale = (groups.abs().amax(dim=-1) / 7.5).clamp_min(TINY)
+    scale = stored((groups.abs().amax(dim=-1) / 7.5).clamp_min(TINY), weight.dtype)
     codes = torch.round(groups / scale.unsqueeze(-1)).clamp(-8, 7).reshape(w.shape)
     return codes.to(torch.int8), scale
 

@@ -95,13 +95,18 @@ class MsModelSlimWriter:
             deq = (s_x * w_scale[:, 0]).float()
             b = bias.double() if bias is not None else torch.zeros(weight.shape[0], dtype=torch.float64)
             quant_bias = torch.round(b / deq.double() - offset * codes.double().sum(dim=1))
+            if quant_bias.abs().max() > 2**31 - 1:
+                raise ValueError(f"{name}: its bias over deq_scale does not fit the int32 quant_bias "
+                                 f"(a row of zero weights beside a bias?)")
+            # float16 models: the float32 bits in an int64, as msModelSlim writes (and vLLM-Ascend declares)
+            deq_stored = deq.view(torch.int32).to(torch.int64) if weight.dtype == torch.float16 else deq
             out.update({name + ".input_scale": torch.tensor([s_x], dtype=torch.float32),
                         name + ".input_offset": torch.tensor([offset], dtype=torch.float32),
                         name + ".quant_bias": quant_bias.to(torch.int32),
-                        name + ".deq_scale": deq})
-        if self.kind in ("W8A8_DYNAMIC", "W8A8_MIX"):
-            out.update({name + ".weight_scale": w_scale.float(),
-                        name + ".weight_offset": torch.zeros_like(w_scale, dtype=torch.float32)})
+                        name + ".deq_scale": deq_stored})
+        # every W8A8 type carries the weight's scale and (zero) offset, as msModelSlim writes them
+        out.update({name + ".weight_scale": w_scale.float(),
+                    name + ".weight_offset": torch.zeros_like(w_scale, dtype=torch.float32)})
         self.types.update({key: self.kind for key in out})
         if bias is not None:
             out[name + ".bias"] = bias

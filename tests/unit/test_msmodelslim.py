@@ -131,10 +131,10 @@ def edited(checkpoint, tmp_path, tensors=None, description=None):
 
 @pytest.mark.parametrize("kind, tensors, description, message", [
     ("W8A8", lambda t: t["model.layers.0.self_attn.k_proj.input_scale"].mul_(2), None,
-     r"fused projections quantize one input, so their input_scale must be equal; got q_proj\.input_scale=.*, "
-     r"k_proj\.input_scale="),
+     r"fused projections quantize one input, so their input_scale must be equal; got "
+     r"model\.layers\.0\.self_attn\.q_proj\.input_scale=.*, model\.layers\.0\.self_attn\.k_proj\.input_scale="),
     ("W8A8_DYNAMIC", lambda t: t["model.layers.0.mlp.down_proj.weight_offset"].add_(1), None,
-     r"down_proj\.weight_offset is not all zeros: asymmetric int8 weights are not supported"),
+     r"model\.layers\.0\.mlp\.down_proj\.weight_offset is not all zeros: asymmetric int8 weights are not supported"),
     ("W8A8", None, lambda d: d.update({"model.layers.0.mlp.down_proj.weight": "W8A16"}),
      r"'model\.layers\.0\.mlp\.down_proj\.weight' has type 'W8A16', which is not supported; supported: "
      r"\['FLOAT', 'W8A8', 'W8A8_DYNAMIC', 'W8A8_MIX'\]"),

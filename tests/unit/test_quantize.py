@@ -203,3 +203,24 @@ def test_a_quantized_model_is_not_quantized_again(float_model, tmp_path, capsys)
     code = pdmesh_main(["quantize", str(once), "--scheme", "w8a8", "--format", "modelslim", "--calib", "gpl-3",
                         "--out", str(tmp_path / "twice"), "--num-prompts", "1", "--prompt-len", "16"])
     assert code == 2 and "already quantized (compressed-tensors); give a float model" in capsys.readouterr().err
+
+
+def test_out_never_replaces_the_model_or_a_folder_of_other_files(float_model, tmp_path, capsys):
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    for out, message in ((float_model, "is the model or a folder holding it"),
+                         (float_model.parent, "is the model or a folder holding it"),
+                         (other, "exists and is not a quantized model")):
+        code = pdmesh_main(["quantize", str(float_model), "--scheme", "w8a8", "--format", "modelslim", "--calib",
+                            "gpl-3", "--out", str(out), "--num-prompts", "1", "--prompt-len", "16"])
+        assert code == 2 and message in capsys.readouterr().err
+    assert (float_model / "model.safetensors").exists() and (other / "keep.txt").read_text() == "mine"
+
+
+def test_a_group_size_that_does_not_divide_the_inputs_is_refused_before_calibrating(float_model, tmp_path, capsys):
+    code = pdmesh_main(["quantize", str(float_model), "--scheme", "w4a16", "--format", "compressed-tensors",
+                        "--calib", "gpl-3", "--out", str(tmp_path / "q"), "--group-size", "256"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--group-size 256 must divide every projection's inputs; it does not divide " \
+                         "hidden_size = 128, num_attention_heads * head_dim = 128, intermediate_size = 384; 128 fits" in err, err

@@ -93,7 +93,7 @@ def test_a_group_that_does_not_divide_the_inputs_is_refused(float_model, tmp_pat
     cfg = json.loads((model / "config.json").read_text())
     cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 48
     (model / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"group_size 48 must divide the input features \(128\)"):
+    with pytest.raises(ValueError, match=r"group_size 48 must be a multiple of 8 \(codes per int32\) dividing the input features \(128\)"):
         LLM(str(model), kernel_backend="ref", num_blocks=64)
 
 

@@ -81,8 +81,8 @@ def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
 def test_the_model_is_as_close_to_the_float64_scheme_as_float32_gets(w8a8_model, float_model, backend_name,
                                                                      request):
     """KL per position from transformers computing the same W8A8 math in float64: ours within
-    1.5x of what transformers' own float32 run of that math reaches, and a tenth of the
-    float model's distance (what the quantization itself costs)."""
+    1.5x of what transformers' own float32 run of that math reaches, and a quarter of the
+    float model's distance (what the quantization itself costs: a path that ran float would be 1x)."""
     if backend_name == "npu":
         request.getfixturevalue("npu_emulator")
     ids = list(range(3, 40))
@@ -94,7 +94,7 @@ def test_the_model_is_as_close_to_the_float64_scheme_as_float32_gets(w8a8_model,
     plain = LLM(str(float_model), kernel_backend=backend_name, num_blocks=64).prompt_logprobs_full(ids).double()
     ours_kl, fp32_kl, float_kl = (kl(ref64, other).mean().item() for other in (ours, ref32, plain))
     assert ours_kl <= 1.5 * fp32_kl + 1e-5, (ours_kl, fp32_kl)
-    assert ours_kl <= 0.1 * float_kl, (ours_kl, float_kl)
+    assert ours_kl <= 0.25 * float_kl, (ours_kl, float_kl)
 
 
 def test_the_engine_holds_the_files_int8_codes_and_a_quarter_of_the_bytes(w8a8_model, float_model):
@@ -203,3 +203,15 @@ def test_tensor_parallel_2_computes_the_scheme_with_each_ranks_scales(tmp_path):
     ours_kl, fp32_kl, tp1_kl = (kl(ref64, other).mean().item() for other in (ours, ref32, tp1))
     assert ours_kl <= 1.5 * fp32_kl + 1e-5, (ours_kl, fp32_kl)
     assert tp1_kl > 2 * ours_kl, (tp1_kl, ours_kl)
+
+
+def test_float_weights_under_an_int8_config_are_refused_not_cast(float_model, tmp_path):
+    """A config that says int-quantized over float weights: a cast would truncate them to
+    garbage codes."""
+    model = write_compressed_tensors_w8a8(float_model, tmp_path / "q")
+    tensors = load_file(model / "model.safetensors")
+    name = "model.layers.0.mlp.gate_proj.weight"
+    tensors[name] = load_file(float_model / "model.safetensors")[name]
+    save_file(tensors, model / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"tensor '{name}' is float32, expected an integer tensor \(int8\)"):
+        LLM(str(model), kernel_backend="ref", num_blocks=64)

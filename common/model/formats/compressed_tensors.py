@@ -46,7 +46,7 @@ def _matches(name: str, targets: list[str]) -> bool:
     return False
 
 
-def _check_args(where: str, args: Any, want: dict[str, Any]) -> None:
+def _check_args(where: str, args: Any, want: dict[str, Any], supported: str) -> None:
     if not isinstance(args, dict):
         raise ValueError(f"{where} must be an object with {want}, got {args!r}")
     for key, value in want.items():
@@ -54,8 +54,10 @@ def _check_args(where: str, args: Any, want: dict[str, Any]) -> None:
         if key == "dynamic" and got in (None, False) and value is False:
             continue
         if got != value:
-            raise ValueError(f"{where}.{key} must be {value!r} (supported: W8A8 int8 per-channel weights, "
-                             f"dynamic per-token activations), got {got!r}")
+            raise ValueError(f"{where}.{key} must be {value!r} (supported: {supported}), got {got!r}")
+    if args.get("actorder") not in (None, False, "weight", "static"):
+        raise ValueError(f"{where}.actorder {args.get('actorder')!r} is not supported (its weight_g_idx "
+                         f"reorders the inputs); supported: null or 'weight'")
 
 
 class CompressedTensorsConfig(QuantizationConfig):
@@ -71,6 +73,7 @@ class CompressedTensorsConfig(QuantizationConfig):
                              f"got {status!r}")
         top_format = raw.get("format")
         self.ignore = list(raw.get("ignore") or [])
+        self._methods: dict[str, LinearMethod] = {}
         self.groups: list[tuple[list[str], str]] = []
         groups = raw.get("config_groups")
         if not isinstance(groups, dict) or not groups:
@@ -96,11 +99,12 @@ class CompressedTensorsConfig(QuantizationConfig):
         if group.get("output_activations"):
             raise ValueError(f"{where}.output_activations is not supported; supported: null")
         if fmt == "int-quantized":
-            _check_args(f"{where}.weights", group.get("weights"), W8A8_WEIGHTS)
-            _check_args(f"{where}.input_activations", group.get("input_activations"), W8A8_ACTIVATIONS)
+            w8a8 = "W8A8: int8 per-channel weights, dynamic per-token int8 activations"
+            _check_args(f"{where}.weights", group.get("weights"), W8A8_WEIGHTS, w8a8)
+            _check_args(f"{where}.input_activations", group.get("input_activations"), W8A8_ACTIVATIONS, w8a8)
             return [str(t) for t in targets], "W8A8_DYNAMIC"
         weights = group.get("weights")
-        _check_args(f"{where}.weights", weights, W4A16_WEIGHTS)
+        _check_args(f"{where}.weights", weights, W4A16_WEIGHTS, "W4A16: int4 symmetric per-group weights")
         if group.get("input_activations"):
             raise ValueError(f"{where}.input_activations must be null for pack-quantized (W4A16)")
         size = weights.get("group_size")
@@ -117,8 +121,13 @@ class CompressedTensorsConfig(QuantizationConfig):
         return "FLOAT"
 
     def method_for(self, scheme: str) -> LinearMethod:
-        if scheme == "FLOAT":
-            return FloatLinearMethod()
-        if scheme.startswith("W4A16/"):
-            return Int4GroupLinearMethod(int(scheme.split("/")[1]))
-        return Int8DynamicLinearMethod(SYMMETRIC_DIVISOR)
+        method = self._methods.get(scheme)      # one per scheme: its start-up line is said once
+        if method is None:
+            if scheme == "FLOAT":
+                method = FloatLinearMethod()
+            elif scheme.startswith("W4A16/"):
+                method = Int4GroupLinearMethod(int(scheme.split("/")[1]))
+            else:
+                method = Int8DynamicLinearMethod(SYMMETRIC_DIVISOR)
+            self._methods[scheme] = method
+        return method

@@ -41,9 +41,10 @@ class Int4GroupLinearMethod(LinearMethod):
 
     def weight_specs(self, layer: Linear) -> list[WeightSpec]:
         g = self.group_size
-        if layer.full_in % g or layer.in_features % g or layer.in_start % g:
-            raise ValueError(f"group_size {g} must divide the input features ({layer.full_in}) and every "
-                             f"tensor-parallel rank's share of them ({layer.in_features})")
+        if g % PACK or layer.full_in % g or layer.in_features % g or layer.in_start % g:
+            raise ValueError(f"group_size {g} must be a multiple of {PACK} (codes per int32) dividing the input "
+                             f"features ({layer.full_in}) and every tensor-parallel rank's share of them "
+                             f"({layer.in_features})")
         return [WeightSpec("weight_packed", rows="out", cols="in", dtype=torch.int32, in_pack=PACK),
                 WeightSpec("weight_scale", rows="out", cols="in", dtype=torch.float32, in_pack=g),
                 WeightSpec("weight_shape", rows="part", cols=2, dtype=torch.int64)]
@@ -52,7 +53,7 @@ class Int4GroupLinearMethod(LinearMethod):
         for i, part in enumerate(layer.parts):
             shape = tuple(int(v) for v in layer.weight_shape[i])
             if shape != (part.full_out, layer.full_in):
-                raise ValueError(f"{part.name}.weight_shape is {shape}, expected {(part.full_out, layer.full_in)} "
+                raise ValueError(f"{layer.prefix}{part.name}.weight_shape is {shape}, expected {(part.full_out, layer.full_in)} "
                                  f"from config.json")
         if id(backend) not in self._told:
             self._told.add(id(backend))

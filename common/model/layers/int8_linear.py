@@ -65,7 +65,7 @@ def check_zero_offsets(layer: Linear) -> None:
     rows = 0
     for part in layer.parts:
         if layer.weight_offset.data[rows:rows + part.out].abs().max() != 0:
-            raise ValueError(f"{part.name}.weight_offset is not all zeros: asymmetric int8 weights are not "
+            raise ValueError(f"{layer.prefix}{part.name}.weight_offset is not all zeros: asymmetric int8 weights are not "
                              f"supported; supported: symmetric (weight_offset 0)")
         rows += part.out
     layer.weight_offset.data = layer.weight_offset.data.new_empty(0)

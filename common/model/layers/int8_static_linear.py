@@ -64,11 +64,11 @@ class Int8StaticLinearMethod(LinearMethod):
         for name in ("input_scale", "input_offset"):
             values = getattr(layer, name).data
             if not torch.equal(values, values[:1].expand_as(values)):
-                shown = ", ".join(f"{p.name}.{name}={float(v)}" for p, v in zip(layer.parts, values))
+                shown = ", ".join(f"{layer.prefix}{p.name}.{name}={float(v)}" for p, v in zip(layer.parts, values))
                 raise ValueError(f"fused projections quantize one input, so their {name} must be equal; got {shown}")
         scale, offset = float(layer.input_scale.data[0]), float(layer.input_offset.data[0])
         if not scale > 0 or offset != round(offset):
-            raise ValueError(f"{layer.parts[0].name}.input_scale must be > 0 and input_offset an integer, "
+            raise ValueError(f"{layer.projections[0]}.input_scale must be > 0 and input_offset an integer, "
                              f"got {scale} and {offset}")
         layer.static_input = (scale, offset)
         prepare_int8_weight(layer, backend, self._told, "W8A8 static")

@@ -138,8 +138,8 @@ class Linear(nn.Module):
         """Checkpoint tensor name -> Slot, for every parameter of every part."""
         slots: dict[str, Slot] = {}
         specs = list(self.specs)
-        if self.bias is not None:
-            specs.append(WeightSpec("bias", rows="out"))
+        if self.bias is not None:    # a method that folds the bias in need not find it in the file
+            specs.append(WeightSpec("bias", rows="out", optional=not self.method.uses_float_bias))
         row = 0
         for i, part in enumerate(self.parts):
             for spec in specs:
