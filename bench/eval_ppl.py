@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_model import ROOT
+from bench_model import ROOT, model_folder
 
 from services.bench.machine import machine_info  # noqa: E402
 from services.cli import main as pdmesh  # noqa: E402
@@ -46,11 +46,7 @@ def main() -> int:
     ap.add_argument("--stride", type=int, default=256)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "eval_ppl.json"))
     args = ap.parse_args()
-    if args.model == "smollm2":
-        from common.model.catalog import pull_model
-        model = pull_model("smollm2-135m-instruct", ROOT / "models")
-    else:
-        model = Path(args.model)
+    model = model_folder(args.model)
     ours_path = Path(args.out).with_suffix(".engine.json")
     code = pdmesh(["eval", "--model", str(model), "--text", args.text, "--window", str(args.window),
                    "--stride", str(args.stride), "--json", str(ours_path)])

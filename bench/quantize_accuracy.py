@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_model import ROOT
+from bench_model import ROOT, model_folder
 
 from services.bench.machine import machine_info  # noqa: E402
 from services.cli import main as pdmesh  # noqa: E402
@@ -61,11 +61,7 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=8, help="agreement/KL prompts")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "quantize_accuracy.json"))
     args = ap.parse_args()
-    if args.model == "smollm2":
-        from common.model.catalog import pull_model
-        model = pull_model("smollm2-135m-instruct", ROOT / "models")
-    else:
-        model = Path(args.model)
+    model = model_folder(args.model)
     work = Path(tempfile.mkdtemp(prefix="pdmesh-quant-bench-"))
     report = {"command": " ".join(["python", "bench/quantize_accuracy.py", *sys.argv[1:]]),
               "machine": machine_info(), "model": str(model), "calibration": args.calib, "runs": []}

@@ -41,7 +41,7 @@ import urllib.request
 from pathlib import Path
 
 from bench_mesh import start_pd_mesh
-from bench_model import BENCH_MODEL, ROOT, ensure_bench_model
+from bench_model import BENCH_MODEL, ROOT, ensure_bench_model, smollm2
 from serving import DEFAULT_PREFILL_QUEUE_THRESHOLD, ENGINE, TOPOLOGIES, topology_meta
 
 from services.bench.machine import machine_info  # noqa: E402
@@ -119,10 +119,7 @@ def serve_config(args, rate: float, out: Path, **target) -> ServeConfig:
 
 def bench_model(name: str) -> Path:
     """The model folder of --model (made or pulled on first use)."""
-    if name == "smollm2":
-        from common.model.catalog import pull_model
-        return pull_model("smollm2-135m-instruct", ROOT / "models")
-    return ensure_bench_model()
+    return smollm2() if name == "smollm2" else ensure_bench_model()
 
 
 def measure(server: str, rate: float, args, model: Path, work: Path) -> dict:
