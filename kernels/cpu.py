@@ -1,8 +1,8 @@
-"""Fast CPU backend: decode attention in C++ straight over the block tables
-(kernels/csrc/paged_decode_cpu.cpp, built at install time by kernels/cpu_extension.py), and
-every linear layer on oneDNN over weights packed once at load time (a tied lm_head is
-packed as a copy: the embedding lookup keeps the dense matrix); prefill, KV writes,
-norms and rotary are `ref`'s.
+"""Fast CPU backend: decode attention in C++ straight over the block tables, the ops
+around a layer's matmuls (norms, rotary, SiLU-and-multiply, KV writes) as one C++ pass
+each (kernels/csrc/, built at install time by kernels/cpu_extension.py), and every linear
+layer on oneDNN over weights packed once at load time (a tied lm_head is packed as a copy:
+the embedding lookup keeps the dense matrix); prefill attention is `ref`'s.
 
 Why: PyTorch's CPU F.linear calls MKL's sgemm, which on small row counts (a decode batch
 of 2-32 tokens) reaches only a fraction of the machine (MKL picks slow paths on AMD CPUs,
@@ -11,8 +11,10 @@ and re-packs the weight on every call). oneDNN with a pre-packed weight runs tho
 vLLM's CPU build runs too. Packing replaces the dense weight (no second copy is kept).
 
 The C++ decode reads each key and value row once from the cache, where ref gathers the
-blocks into a contiguous copy first (bench/kernels.py: 1.8-12x at one thread). Where the
-extension cannot be built (no compiler), decode is ref's.
+blocks into a contiguous copy first (bench/kernels.py: 1.8-12x at one thread). The layer
+ops replace 5-10 tiny torch ops each: at a decode batch of a few tokens their dispatch,
+not their arithmetic, took about a third of SmolLM2's step. Where the extension cannot be
+built (no compiler), all of these are ref's.
 
 Weights oneDNN cannot pack here (a dtype without oneDNN support on this CPU) stay dense and
 go through F.linear, as on `ref`.
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 
 from kernels.api import DecodeMetadata
-from kernels.cpu_extension import paged_decode
+from kernels.cpu_extension import cpu_kernels
 from kernels.ref import RefBackend
 
 
@@ -86,7 +88,7 @@ class CpuBackend(RefBackend):
         super().__init__(device)
         if device is not None and torch.device(device).type != "cpu":
             raise ImportError(f"the cpu kernel backend runs on device cpu only, not {device}")
-        self.extension = paged_decode()
+        self.extension = cpu_kernels()
 
     @property
     def int8_path(self) -> str:
@@ -121,10 +123,36 @@ class CpuBackend(RefBackend):
     def decode(self, query, k_cache, v_cache, meta: DecodeMetadata, scale: float) -> torch.Tensor:
         if self.extension is None or query.shape[0] == 0:
             return super().decode(query, k_cache, v_cache, meta, scale)
-        q = (query.float() * scale).contiguous()
-        out = self.extension.paged_decode(q, k_cache, v_cache, meta.block_tables.contiguous(),
-                                          meta.seq_lens.contiguous())
+        out = self.extension.paged_decode(query.float(), k_cache, v_cache, meta.block_tables.contiguous(),
+                                          meta.seq_lens.contiguous(), scale)
         return out.to(query.dtype)
+
+    def rms_norm(self, x, weight, eps: float) -> torch.Tensor:
+        if self.extension is None or x.dtype != weight.dtype:
+            return super().rms_norm(x, weight, eps)
+        rows = x.reshape(-1, x.shape[-1])
+        return self.extension.rms_norm(rows, weight, eps).view(x.shape)
+
+    def add_rms_norm(self, x, residual, weight, eps: float) -> torch.Tensor:
+        if self.extension is None or x.dtype != weight.dtype or x.dim() != 2 or not residual.is_contiguous():
+            return super().add_rms_norm(x, residual, weight, eps)
+        return self.extension.add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.extension is None or x.dim() != 2:
+            return super().silu_and_mul(x)
+        return self.extension.silu_and_mul(x)
+
+    def rotary(self, positions, query, key, cos, sin):
+        if self.extension is None or cos.dtype != torch.float32:
+            return super().rotary(positions, query, key, cos, sin)
+        self.extension.rotary(positions, query, key, cos, sin)
+        return query, key
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        if self.extension is None or key.dtype != k_cache.dtype:
+            return super().write_kv(key, value, k_cache, v_cache, slot_mapping)
+        self.extension.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def prepare_linear(self, weight: torch.Tensor) -> Any:
         if weight.device.type != "cpu" or not onednn_packs(weight.dtype):

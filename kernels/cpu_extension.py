@@ -1,13 +1,14 @@
-"""The cpu backend's C++ paged decode attention (kernels/csrc/paged_decode_cpu.cpp):
-built with torch's extension builder (ninja + the host's C++ compiler) into torch's
-extension folder ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), once per
-source, torch version and CPU instruction set.
+"""The cpu backend's C++ kernels (kernels/csrc/: paged decode attention, and the norms,
+rotary, SiLU-and-multiply and KV write around a layer's matmuls), one library built with
+torch's extension builder (ninja + the host's C++ compiler) into torch's extension folder
+($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), once per source, torch
+version and CPU instruction set.
 
     python -m kernels.cpu_extension      # build it (`make` runs this at install time)
 
-An engine never builds: `paged_decode()` imports the library that build left, or returns
+An engine never builds: `cpu_kernels()` imports the library that build left, or returns
 None (the reason logged once; PDMESH_CPU_EXTENSION=0 also turns it off) and the backend
-decodes with ref's gathered tiles instead. A build inside engine start-up would take
+runs ref's torch ops instead (decode with gathered tiles). A build inside engine start-up would take
 minutes, and torch's build lock, left behind by a builder that was killed, would hang
 every later start.
 """
@@ -24,7 +25,9 @@ from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = tuple(CSRC / name for name in ("paged_decode_cpu.cpp", "layer_ops_cpu.cpp", "bindings.cpp"))
+HEADERS = (CSRC / "cpu_kernels.h",)
 DISABLE_ENV = "PDMESH_CPU_EXTENSION"     # "0": never build or load it
 # Flags per CPU capability torch reports; the capability is part of the module's name, so
 # a library built for one instruction set is never loaded on a CPU without it.
@@ -38,8 +41,9 @@ _LOADED: list[ModuleType | None] = []     # one entry once tried
 
 def module_name() -> str:
     capability = torch.backends.cpu.get_cpu_capability()
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:10]
-    return f"pdmesh_paged_decode_{capability.lower()}_{digest}"
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
+                            + torch.__version__.encode()).hexdigest()[:10]
+    return f"pdmesh_cpu_kernels_{capability.lower()}_{digest}"
 
 
 def library_path() -> Path:
@@ -53,11 +57,11 @@ def build(verbose: bool = False) -> ModuleType:
     """Compile (or find up to date) and import the extension; raises when it cannot."""
     from torch.utils.cpp_extension import load
     flags = ["-O3", "-fopenmp", *_ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
-    return load(name=module_name(), sources=[str(SOURCE)], extra_cflags=flags,
+    return load(name=module_name(), sources=[str(p) for p in SOURCES], extra_cflags=flags,
                 extra_ldflags=["-fopenmp"], verbose=verbose)
 
 
-def paged_decode() -> ModuleType | None:
+def cpu_kernels() -> ModuleType | None:
     """The built extension module, or None where it is not built or turned off."""
     with _LOCK:
         if not _LOADED:
@@ -67,33 +71,32 @@ def paged_decode() -> ModuleType | None:
 
 def _import_built() -> ModuleType | None:
     if os.environ.get(DISABLE_ENV) == "0":
-        log.info("cpu kernel backend: C++ decode attention off (%s=0)", DISABLE_ENV)
+        log.info("cpu kernel backend: C++ kernels off (%s=0)", DISABLE_ENV)
         return None
     try:
         path = library_path()
         if not path.is_file():
-            log.warning("cpu kernel backend: C++ decode attention not built for this source, "
-                        "torch and CPU (run `python -m kernels.cpu_extension`); decoding with "
-                        "gathered tiles")
+            log.warning("cpu kernel backend: C++ kernels not built for this source, torch and "
+                        "CPU (run `python -m kernels.cpu_extension`); running ref's torch ops")
             return None
         spec = importlib.util.spec_from_file_location(module_name(), path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
     except Exception as exc:   # a broken library: the torch path still works
-        log.warning("cpu kernel backend: C++ decode attention unusable, decoding with gathered "
-                    "tiles (%s: %s)", type(exc).__name__, exc)
+        log.warning("cpu kernel backend: C++ kernels unusable, running ref's torch ops (%s: %s)",
+                    type(exc).__name__, exc)
         return None
 
 
 def main() -> int:
-    print(f"building {SOURCE.name} for {torch.backends.cpu.get_cpu_capability()} "
+    print(f"building {', '.join(p.name for p in SOURCES)} for {torch.backends.cpu.get_cpu_capability()} "
           f"(torch {torch.__version__}) ...", flush=True)
     try:
         module = build(verbose="-v" in sys.argv)
     except Exception as exc:   # optional: installing must not fail where no compiler is
         print(f"not built ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-              "the cpu backend decodes with gathered tiles")
+              "the cpu backend runs ref's torch ops")
         return 0
     print(f"built: {module.__file__}")
     return 0

@@ -2,7 +2,8 @@
 // sequence attends over its cached context, reading each key and value row once from the
 // cache (no gathered copy). Contract: kernels/api.py Backend.decode; caller: kernels/cpu.py.
 //
-//   query  float32 [num_seqs, num_heads, head_dim], already multiplied by the scale
+//   query  float32 [num_seqs, num_heads, head_dim] (each head's values contiguous), and
+//          the softmax scale it is multiplied by first
 //   k/v    [num_blocks, block_size, num_kv_heads, head_dim], float32 / bfloat16 / float16
 //   block_tables int32 [num_seqs, max_blocks], seq_lens int32 [num_seqs] (>= 1); every
 //   id a sequence's length reaches is checked against num_blocks (RuntimeError, no read)
@@ -19,6 +20,8 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_kernels.h"
+
 namespace {
 
 // Scores, softmax and the weighted value sum of query heads [h0, h1) of sequence s. The
@@ -26,16 +29,21 @@ namespace {
 // contiguous run in the cache: the hardware prefetcher streams it (a loop per kv head,
 // striding over the other heads' rows, ran 3-4x slower).
 template <typename scalar_t>
-void attend_heads(const float* query, const scalar_t* k_cache, const scalar_t* v_cache,
-                  const int32_t* table, int64_t len, int64_t h0, int64_t h1, int64_t group,
-                  int64_t head_dim, int64_t block_size, int64_t block_stride,
-                  int64_t token_stride, std::vector<float>& scores, float* out) {
+void attend_heads(const float* query, int64_t query_head_stride, float scale, const scalar_t* k_cache,
+                  const scalar_t* v_cache, const int32_t* table, int64_t len, int64_t h0, int64_t h1,
+                  int64_t group, int64_t head_dim, int64_t block_size, int64_t block_stride,
+                  int64_t token_stride, std::vector<float>& scores, std::vector<float>& scaled,
+                  float* out) {
   const int64_t heads = h1 - h0;
   scores.resize(heads * len);
+  scaled.resize(heads * head_dim);
+  for (int64_t h = h0; h < h1; ++h)
+    for (int64_t d = 0; d < head_dim; ++d)
+      scaled[(h - h0) * head_dim + d] = query[h * query_head_stride + d] * scale;
   for (int64_t t = 0; t < len; ++t) {
     const scalar_t* row = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
     for (int64_t h = h0; h < h1; ++h) {
-      const float* q = query + h * head_dim;
+      const float* q = scaled.data() + (h - h0) * head_dim;
       const scalar_t* k = row + (h / group) * head_dim;
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -71,7 +79,8 @@ void attend_heads(const float* query, const scalar_t* k_cache, const scalar_t* v
 // One task per sequence; with fewer sequences than threads, a sequence's kv heads are
 // split over several tasks so that every thread has work.
 template <typename scalar_t>
-void decode_tasks(const float* query, const scalar_t* k_cache, const scalar_t* v_cache,
+void decode_tasks(const float* query, int64_t query_seq_stride, int64_t query_head_stride, float scale,
+                  const scalar_t* k_cache, const scalar_t* v_cache,
                   const int32_t* block_tables, const int32_t* seq_lens, float* out,
                   int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                   int64_t block_size, int64_t max_blocks, int64_t block_stride,
@@ -80,13 +89,13 @@ void decode_tasks(const float* query, const scalar_t* k_cache, const scalar_t* v
   const int64_t threads = at::get_num_threads();
   const int64_t parts = num_seqs >= threads ? 1 : std::min(num_kv_heads, (threads + num_seqs - 1) / num_seqs);
   at::parallel_for(0, num_seqs * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores, scaled;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / parts, part = task % parts;
       const int64_t kv0 = part * num_kv_heads / parts, kv1 = (part + 1) * num_kv_heads / parts;
-      attend_heads<scalar_t>(query + s * num_heads * head_dim, k_cache, v_cache,
+      attend_heads<scalar_t>(query + s * query_seq_stride, query_head_stride, scale, k_cache, v_cache,
                              block_tables + s * max_blocks, seq_lens[s], kv0 * group, kv1 * group,
-                             group, head_dim, block_size, block_stride, token_stride, scores,
+                             group, head_dim, block_size, block_stride, token_stride, scores, scaled,
                              out + s * num_heads * head_dim);
     }
   });
@@ -95,12 +104,12 @@ void decode_tasks(const float* query, const scalar_t* k_cache, const scalar_t* v
 }  // namespace
 
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor seq_lens) {
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
                   block_tables.device().is_cpu() && seq_lens.device().is_cpu(),
               "every tensor must be on the CPU");
-  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == torch::kFloat32 && query.is_contiguous(),
-              "query must be contiguous float32 [num_seqs, num_heads, head_dim]");
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == torch::kFloat32 && query.stride(2) == 1,
+              "query must be float32 [num_seqs, num_heads, head_dim], each head contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.scalar_type() == v_cache.scalar_type(),
               "k_cache and v_cache must be [num_blocks, block_size, num_kv_heads, head_dim] alike");
@@ -130,19 +139,14 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
                   " outside the cache's ", num_blocks, " blocks");
     }
   }
-  auto out = torch::empty_like(query);
+  auto out = torch::empty(query.sizes(), query.options());
   if (num_seqs == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode", [&] {
-    decode_tasks<scalar_t>(query.data_ptr<float>(), k_cache.data_ptr<scalar_t>(),
+    decode_tasks<scalar_t>(query.data_ptr<float>(), query.stride(0), query.stride(1), static_cast<float>(scale),
+                           k_cache.data_ptr<scalar_t>(),
                            v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(), lens,
                            out.data_ptr<float>(), num_seqs, num_heads, num_kv_heads, head_dim,
                            block_size, block_tables.size(1), k_cache.stride(0), k_cache.stride(1));
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // without the GIL, as torch's own ops run: the node's event loop keeps serving meanwhile
-  m.def("paged_decode", &paged_decode, "paged decode attention over block tables (CPU)",
-        py::call_guard<py::gil_scoped_release>());
 }

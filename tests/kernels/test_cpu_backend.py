@@ -178,7 +178,7 @@ def test_decode_lets_other_python_threads_run(backend):
 def test_an_unbuilt_library_falls_back_to_ref_decode(monkeypatch, caplog):
     import kernels.cpu_extension as ext
     monkeypatch.setattr(ext, "_LOADED", [])
-    monkeypatch.setattr(ext, "module_name", lambda: "pdmesh_paged_decode_never_built")
+    monkeypatch.setattr(ext, "module_name", lambda: "pdmesh_cpu_kernels_never_built")
     with caplog.at_level("WARNING", logger="pdmesh.kernels"):
         backend = CpuBackend("cpu")
     assert backend.extension is None and "not built" in caplog.text

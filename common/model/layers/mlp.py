@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from common.model.layers.linear import Linear, LinearPart
@@ -37,5 +36,4 @@ class GatedMLP(nn.Module):
         return {**self.gate_up.weight_slots(prefix), **self.down.weight_slots(prefix)}
 
     def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
-        gate, up = self.gate_up(x, backend).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up, backend)
+        return self.down(backend.silu_and_mul(self.gate_up(x, backend)), backend)

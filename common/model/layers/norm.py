@@ -1,4 +1,5 @@
-"""RMSNorm through the kernel backend (whole on every tensor-parallel rank)."""
+"""RMSNorm through the kernel backend (whole on every tensor-parallel rank), optionally with
+the residual add before it folded in."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -21,5 +22,9 @@ class RMSNorm(nn.Module):
     def weight_slots(self, name: str) -> dict[str, Slot]:
         return {name + ".weight": whole_slot(self.weight)}
 
-    def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
-        return backend.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, backend: Backend, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The norm of x; with `residual`, the norm of residual + x, the sum left in
+        residual (in place: the caller owns it)."""
+        if residual is None:
+            return backend.rms_norm(x, self.weight, self.eps)
+        return backend.add_rms_norm(x, residual, self.weight, self.eps)

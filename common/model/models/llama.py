@@ -5,6 +5,8 @@ per layer, pre-norm residuals, over a paged KV cache.
     for each layer:  h += attn(rms(h));  h += mlp(rms(h))
     hidden = rms(h);  logits = lm_head(hidden rows that sample)
 
+(each `h += sublayer` is folded into the norm after it: backend.add_rms_norm)
+
 The families differ only in config (biases, Qwen3's q/k norms, tied head), resolved in
 common/model/config.py. KV cache: one tensor [num_layers, 2, num_blocks, block_size,
 num_kv_heads, head_dim]; layer l reads kv_cache[l, 0] (keys) and kv_cache[l, 1] (values).
@@ -124,15 +126,18 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head.prepared is None:
             raise RuntimeError("prepare_linears() must run after loading, before forward")
         backend, cos, sin = self.backend, self.rope_cos, self.rope_sin
-        h = self.embed(input_ids)
+        # the residual stream: the embedding (a tensor of this pass's own); each sublayer's
+        # output is added into it in place by the norm that follows (backend.add_rms_norm)
+        residual = self.embed(input_ids)
+        x = self.layers[0].input_norm(residual, backend)
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn(layer.input_norm(h, backend), batch, kv_cache[i, 0], kv_cache[i, 1],
-                                   backend, cos, sin)
+            attn = layer.self_attn(x, batch, kv_cache[i, 0], kv_cache[i, 1], backend, cos, sin)
             if on_layer is not None:
                 on_layer(i)
-            h = h + attn
-            h = h + layer.mlp(layer.post_attn_norm(h, backend), backend)
-        return self.norm(h, backend)
+            mlp = layer.mlp(layer.post_attn_norm(attn, backend, residual), backend)
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            x = next_norm(mlp, backend, residual)
+        return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 [rows, vocab]; at tensor parallelism every rank computes its vocab

@@ -1,0 +1,15 @@
+// Python names of the cpu backend's C++ kernels (cpu_kernels.h). Every one runs without the
+// GIL, as torch's own ops do: the node's event loop keeps serving meanwhile.
+#include "cpu_kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("paged_decode", &paged_decode, "paged decode attention over block tables", py::arg("query"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("scale") = 1.0, release());
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row", release());
+  m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then the RMSNorm of it", release());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows", release());
+  m.def("rotary", &rotary, "rotate-half rotary embedding of query and key, in place", release());
+  m.def("write_kv", &write_kv, "key and value rows into the paged caches at their slots", release());
+}

@@ -1,0 +1,17 @@
+// The cpu backend's C++ kernels, one library (kernels/cpu_extension.py builds it; bindings.cpp
+// names them for Python). Contracts: the comments at each definition and kernels/api.py.
+#pragma once
+
+#include <torch/extension.h>
+
+// paged_decode_cpu.cpp
+torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+
+// layer_ops_cpu.cpp
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor x);
+void rotary(torch::Tensor positions, torch::Tensor query, torch::Tensor key, torch::Tensor cos, torch::Tensor sin);
+void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_mapping);
