@@ -1,7 +1,8 @@
 """Where a node's KV cache lives in memory, as published to peers.
 
 The cache is one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`
-(dim 1: 0 = K, 1 = V). Layer and K/V strides are free, but each block must be one
+(dim 1: 0 = K, 1 = V). An int8 cache (C8) also names its scales (`scales_id`): codes
+written under one set of scales are garbage read under another. Layer and K/V strides are free, but each block must be one
 contiguous span of `block_bytes` and consecutive blocks must be adjacent (dims 2-5
 contiguous), so that a run of blocks is a single byte range.
 """
@@ -15,7 +16,7 @@ ITEMSIZE = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
     "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1,
 }
-MUST_MATCH = ("dtype", "num_layers", "block_size", "num_kv_heads", "head_dim")
+MUST_MATCH = ("dtype", "scales_id", "num_layers", "block_size", "num_kv_heads", "head_dim")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class KVLayout:
     head_dim: int
     base_address: int
     strides: tuple[int, ...]
+    scales_id: str = ""      # an int8 (C8) cache: which scales its codes mean something under
 
     def __post_init__(self) -> None:
         if self.dtype not in ITEMSIZE:
@@ -44,8 +46,9 @@ class KVLayout:
                              "(each block contiguous, consecutive blocks adjacent)")
 
     @classmethod
-    def of_tensor(cls, kv_cache) -> KVLayout:
-        """Layout of a torch tensor `[L, 2, num_blocks, block_size, heads, head_dim]`."""
+    def of_tensor(cls, kv_cache, scales_id: str = "") -> KVLayout:
+        """Layout of a torch tensor `[L, 2, num_blocks, block_size, heads, head_dim]`;
+        scales_id: an int8 cache's (the model's kv_scales_id)."""
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
             raise ValueError(f"KV cache shape {tuple(kv_cache.shape)} must be "
                              "[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]")
@@ -54,7 +57,7 @@ class KVLayout:
         return cls(dtype=str(kv_cache.dtype).removeprefix("torch."), num_layers=num_layers,
                    num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
                    head_dim=head_dim, base_address=kv_cache.data_ptr(),
-                   strides=tuple(s * item for s in kv_cache.stride()))
+                   strides=tuple(s * item for s in kv_cache.stride()), scales_id=scales_id)
 
     @property
     def itemsize(self) -> int:

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_int8 import KVCacheScales
+
 
 @dataclass
 class PrefillMetadata:
@@ -103,21 +105,25 @@ class Backend(ABC):
     @abstractmethod
     def prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PrefillMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, kv_scales: KVCacheScales | None = None) -> torch.Tensor:
         """Causal attention for packed prefill chunks.
 
         query [num_tokens, num_heads, head_dim]; key/value [num_tokens, num_kv_heads,
         head_dim] are the new tokens, already written to the caches by write_kv (a backend
         may use them directly where a sequence has no cached prefix). GQA: num_heads is a
         multiple of num_kv_heads. Softmax accumulates in float32. Returns
-        [num_tokens, num_heads, head_dim] in query's dtype."""
+        [num_tokens, num_heads, head_dim] in query's dtype.
+
+        kv_scales: the caches are int8 (C8, kernels/kv_int8.py) and key/value are the new
+        tokens' int8 codes; attention is over the values the codes stand for."""
 
     @abstractmethod
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: DecodeMetadata, scale: float) -> torch.Tensor:
+               meta: DecodeMetadata, scale: float, kv_scales: KVCacheScales | None = None) -> torch.Tensor:
         """Attention of one query token per sequence over its whole cached context.
 
-        query [num_seqs, num_heads, head_dim]; returns the same shape and dtype."""
+        query [num_seqs, num_heads, head_dim]; returns the same shape and dtype.
+        kv_scales: int8 caches, as for prefill."""
 
     def prepare_linear(self, weight: torch.Tensor) -> Any:
         """The form `linear` takes this weight [out_features, in_features] in. Called once

@@ -28,6 +28,7 @@ import torch
 
 from kernels.api import DecodeMetadata
 from kernels.cpu_extension import cpu_kernels
+from kernels.kv_int8 import KVCacheScales, over_codes
 from kernels.ref import RefBackend
 
 
@@ -100,27 +101,35 @@ class CpuBackend(RefBackend):
     def int8_matmul(self, x_q: torch.Tensor, weight: Any) -> torch.Tensor:
         return torch._int_mm(x_q.contiguous(), weight)
 
-    int4_path = "torch._weight_int4pack_mm_for_cpu on a repacked weight"
+    # torch's packed int4 CPU matmul ran 11-17x (1 row) to 88-95x (512 rows) slower than oneDNN on the
+    # dequantized weight (bench/int4_cpu.py, bench/results/int4_cpu.json): W4A16 on a CPU is
+    # dequantized once at load, and its 4-bit storage saves disk and transfer, not memory.
+    # use_int4_kernel = True restores torch's kernel (for CPUs where it is fast).
+    int4_path = "dequantized at load, oneDNN-packed (torch's int4 CPU matmul measured slower)"
+    use_int4_kernel = False
 
     def prepare_int4_weight(self, codes: torch.Tensor, scale: torch.Tensor, group_size: int,
                             dtype: torch.dtype) -> Any:
-        if dtype != torch.float32 or codes.shape[0] % 16 or group_size not in INT4_GROUPS:
+        if not self.use_int4_kernel or dtype != torch.float32 or codes.shape[0] % 16 or group_size not in INT4_GROUPS:
             # torch's int4 matmul: 16 | out_features, groups of 32, 64, 128 or 256 inputs
-            return super().prepare_int4_weight(codes, scale, group_size, dtype)
+            return self.prepare_linear(super().prepare_int4_weight(codes, scale, group_size, dtype))
         packed = torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
         scales_and_zeros = torch.stack([scale.t(), torch.zeros_like(scale.t())], dim=-1).contiguous()
         return Int4Packed(packed, scales_and_zeros, group_size)
 
     def int4_linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
         if not isinstance(weight, Int4Packed):
-            return super().int4_linear(x, weight, bias)
+            return self.linear(x, weight, bias)
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         out = torch._weight_int4pack_mm_for_cpu(rows, weight.packed, weight.group_size, weight.scales_and_zeros)
         if bias is not None:
             out = out + bias
         return out.view(*x.shape[:-1], out.shape[-1])
 
-    def decode(self, query, k_cache, v_cache, meta: DecodeMetadata, scale: float) -> torch.Tensor:
+    def decode(self, query, k_cache, v_cache, meta: DecodeMetadata, scale: float,
+               kv_scales: KVCacheScales | None = None) -> torch.Tensor:
+        if kv_scales is not None:
+            return over_codes(self.decode, query, kv_scales, k_cache, v_cache, meta, scale)
         if self.extension is None or query.shape[0] == 0:
             return super().decode(query, k_cache, v_cache, meta, scale)
         out = self.extension.paged_decode(query.float(), k_cache, v_cache, meta.block_tables.contiguous(),

@@ -136,16 +136,17 @@ class CudaBackend(RefBackend):
         return self.flash.varlen(**kwargs)
 
     def prefill(self, query, key, value, k_cache, v_cache, meta: PrefillMetadata,
-                scale: float) -> torch.Tensor:
-        if not self._use_flash(query, k_cache):
-            return super().prefill(query, key, value, k_cache, v_cache, meta, scale)
+                scale: float, kv_scales=None) -> torch.Tensor:
+        if kv_scales is not None or not self._use_flash(query, k_cache):   # flash-attn reads no int8 cache
+            return super().prefill(query, key, value, k_cache, v_cache, meta, scale, kv_scales)
         return self._flash(query, k_cache, v_cache, meta.query_start_loc.to(torch.int32),
                            max(meta.query_lens_list), meta.seq_lens, meta.max_seq_len,
                            meta.block_tables, scale)
 
-    def decode(self, query, k_cache, v_cache, meta: DecodeMetadata, scale: float) -> torch.Tensor:
-        if meta.num_seqs == 0 or not self._use_flash(query, k_cache):
-            return super().decode(query, k_cache, v_cache, meta, scale)
+    def decode(self, query, k_cache, v_cache, meta: DecodeMetadata, scale: float,
+               kv_scales=None) -> torch.Tensor:
+        if kv_scales is not None or meta.num_seqs == 0 or not self._use_flash(query, k_cache):
+            return super().decode(query, k_cache, v_cache, meta, scale, kv_scales)
         cu_seqlens_q = torch.arange(meta.num_seqs + 1, dtype=torch.int32, device=query.device)
         return self._flash(query, k_cache, v_cache, cu_seqlens_q, 1, meta.seq_lens,
                            meta.max_seq_len, meta.block_tables, scale)

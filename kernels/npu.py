@@ -5,6 +5,8 @@ Per layer and step:
                  (torch_npu._npu_reshape_and_cache on torch_npu without it)
     prefill   -> one npu_fused_infer_attention_score, TND, sparse_mode=3 + cached mask
     decode    -> one npu_fused_infer_attention_score, TND, sparse_mode=0, no mask
+    int8 (C8) KV cache: K/V quantized by the model (torch ops), decode -> FIA in BSH with
+                 key/value antiquant scales; prefill dequantizes the blocks it reads first
     rms_norm  -> torch_npu.npu_rms_norm(...)[0]
     rotary    -> torch_npu.npu_rotary_mul(x, cos, sin) (rotate-half) on q and k
 
@@ -30,6 +32,7 @@ from itertools import accumulate
 import torch
 
 from kernels.api import Backend, DecodeMetadata, PrefillMetadata
+from kernels.kv_int8 import KVCacheScales, dequantize_kv
 
 BLOCK_SIZE = 128
 MASK_SIZE = 2048
@@ -131,7 +134,8 @@ class NpuBackend(Backend):
         return mask
 
     def _attention(self, query, k_cache, v_cache, block_tables, q_ends: list[int],
-                   kv_lens: list[int], scale: float, causal: bool) -> torch.Tensor:
+                   kv_lens: list[int], scale: float, causal: bool,
+                   kv_scales: KVCacheScales | None = None) -> torch.Tensor:
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
         if block_size != BLOCK_SIZE:
             raise ValueError(f"npu attention needs caches of block_size {BLOCK_SIZE}, got {block_size}")
@@ -150,18 +154,53 @@ class NpuBackend(Backend):
         return out.view(query.shape[0], query.shape[1], v_cache.shape[-1])
 
     def prefill(self, query, key, value, k_cache, v_cache, meta: PrefillMetadata,
-                scale: float) -> torch.Tensor:
-        """Reads every token (cached prefix and new) from the caches; key/value unused."""
-        return self._attention(query, k_cache, v_cache, meta.block_tables,
+                scale: float, kv_scales: KVCacheScales | None = None) -> torch.Tensor:
+        """Reads every token (cached prefix and new) from the caches; key/value unused. An
+        int8 cache: FIA takes no int8 pages with queries longer than 1, so the blocks the
+        chunks read are dequantized into a float copy first (as vLLM-Ascend's C8 prefill)."""
+        tables = meta.block_tables
+        if kv_scales is not None:
+            k_cache, v_cache, tables = _dequantized_blocks(k_cache, v_cache, tables, kv_scales, query.dtype)
+        return self._attention(query, k_cache, v_cache, tables,
                                list(accumulate(meta.query_lens_list)), list(meta.seq_lens_list),
                                scale, causal=True)
 
-    def decode(self, query, k_cache, v_cache, meta: DecodeMetadata, scale: float) -> torch.Tensor:
+    def decode(self, query, k_cache, v_cache, meta: DecodeMetadata, scale: float,
+               kv_scales: KVCacheScales | None = None) -> torch.Tensor:
         if meta.num_seqs == 0:
             return torch.empty_like(query)
+        if kv_scales is not None:
+            return self._antiquant_decode(query, k_cache, v_cache, meta, scale, kv_scales)
         return self._attention(query, k_cache, v_cache, meta.block_tables,
                                list(range(1, meta.num_seqs + 1)), list(meta.seq_lens_list),
                                scale, causal=False)
+
+    def _antiquant_decode(self, query, k_cache, v_cache, meta: DecodeMetadata, scale: float,
+                          kv_scales: KVCacheScales) -> torch.Tensor:
+        """FIA over the int8 pages in layout BSH (TND takes no antiquant), per-channel key and
+        value scales of query's dtype; the op dequantizes (code + offset) * scale, ours is
+        (code - offset) * scale, so it gets the negated offset (none when all are zero)."""
+        num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+        if block_size != BLOCK_SIZE:
+            raise ValueError(f"npu attention needs caches of block_size {BLOCK_SIZE}, got {block_size}")
+        seqs, heads = query.shape[0], query.shape[1]
+
+        def channels(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(1, num_kv_heads * head_dim).to(query.dtype).contiguous()
+
+        def offset(t: torch.Tensor) -> torch.Tensor | None:
+            return channels(-t) if bool(t.any()) else None
+
+        out, _ = self._npu.npu_fused_infer_attention_score(
+            query.reshape(seqs, 1, heads * head_dim).contiguous(),
+            k_cache.view(num_blocks, block_size, num_kv_heads * head_dim),
+            v_cache.view(num_blocks, block_size, num_kv_heads * head_dim),
+            block_table=meta.block_tables.to(torch.int32).contiguous(), input_layout="BSH", block_size=block_size,
+            actual_seq_lengths_kv=list(meta.seq_lens_list), num_heads=heads, num_key_value_heads=num_kv_heads,
+            key_antiquant_scale=channels(kv_scales.k_scale), key_antiquant_offset=offset(kv_scales.k_offset),
+            value_antiquant_scale=channels(kv_scales.v_scale), value_antiquant_offset=offset(kv_scales.v_offset),
+            key_antiquant_mode=0, value_antiquant_mode=0, inner_precise=0, **{self._scale_kw: float(scale)})
+        return out.view(seqs, heads, head_dim)
 
     # quantized linears (vllm-ascend's calls): W8A8 dynamic npu_dynamic_quant + npu_quant_matmul
     # with pertoken_scale; W8A8 static npu_quantize (x * 1/scale + offset) + npu_quant_matmul
@@ -229,3 +268,11 @@ class NpuBackend(Backend):
         s = torch.cat((s, s), dim=-1).unsqueeze(1).to(query.dtype)
         rotary_mul = self._npu.npu_rotary_mul
         return rotary_mul(query.contiguous(), c, s), rotary_mul(key.contiguous(), c, s)
+
+
+def _dequantized_blocks(k_cache, v_cache, block_tables, kv_scales: KVCacheScales, dtype: torch.dtype):
+    """(float k, float v, table into them): the blocks the table names, dequantized, in dtype."""
+    used, table = torch.unique(block_tables.long(), return_inverse=True)
+    k = dequantize_kv(k_cache.index_select(0, used), kv_scales.k_scale, kv_scales.k_offset).to(dtype)
+    v = dequantize_kv(v_cache.index_select(0, used), kv_scales.v_scale, kv_scales.v_offset).to(dtype)
+    return k.contiguous(), v.contiguous(), table.to(torch.int32)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.api import Backend, DecodeMetadata, PrefillMetadata
+from kernels.kv_int8 import KVCacheScales, over_codes
 
 TILE_BYTES = 2 << 20
 
@@ -35,11 +36,15 @@ class RefBackend(Backend):
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value[valid])
 
     def prefill(self, query, key, value, k_cache, v_cache, meta: PrefillMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, kv_scales: KVCacheScales | None = None) -> torch.Tensor:
         """Per-sequence 4-D SDPA (the CPU flash kernel needs 4-D; its softmax accumulates
         in float32 for bf16/fp16, as do the CUDA kernels). A sequence without a cached prefix
         attends over key/value directly; one with a prefix reads its context from the
-        caches under a bottom-right causal mask."""
+        caches under a bottom-right causal mask. An int8 cache: over its codes in float32,
+        the scales folded around (kernels/kv_int8.py)."""
+        if kv_scales is not None:
+            return over_codes(self.prefill, query, kv_scales, key.float(), value.float(), k_cache, v_cache, meta,
+                              scale)
         out = torch.empty_like(query)
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
         start = 0
@@ -54,6 +59,7 @@ class RefBackend(Backend):
                 blocks = meta.block_tables[i, :-(-seq_len // block_size)]
                 k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
                 v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
+                k, v = k.to(q.dtype), v.to(q.dtype)
                 mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=query.device)
                 mask = mask.tril(seq_len - q_len)
             o = F.scaled_dot_product_attention(
@@ -64,8 +70,11 @@ class RefBackend(Backend):
         return out
 
     def decode(self, query, k_cache, v_cache, meta: DecodeMetadata,
-               scale: float) -> torch.Tensor:
-        """Batched over sequences (no per-request loop); loops only over tiles."""
+               scale: float, kv_scales: KVCacheScales | None = None) -> torch.Tensor:
+        """Batched over sequences (no per-request loop); loops only over tiles. The gather
+        reads an int8 cache's codes as float32 (the scales folded around)."""
+        if kv_scales is not None:
+            return over_codes(self.decode, query, kv_scales, k_cache, v_cache, meta, scale)
         num_seqs, num_heads, head_dim = query.shape
         if num_seqs == 0:
             return torch.empty_like(query)

@@ -61,6 +61,7 @@ from common.engine.validation import validate_request, validate_resume_position
 from common.hashing import layout_key
 from common.kv_layout import KVLayout
 from common.model.config import load_model_config
+from common.model.formats.quantization import quantization_config
 from common.runner.dtypes import dtype_name, resolve_dtype
 from common.runner.model_runner import ModelRunner, load_rank
 from kernels import get_backend
@@ -114,8 +115,9 @@ class LLMEngine:
             raise ValueError(f"block_size must be one of {supported} on the {self.backend.name} "
                              f"kernel backend, got {self.block_size}")
         self.dtype = resolve_dtype(config.dtype, self.device)
+        kv_itemsize = 1 if quantization_config(config.model).kv_cache_int8 else self.dtype.itemsize
         per_block = (mcfg.num_layers * 2 * self.block_size * self.shard.num_kv_heads * mcfg.head_dim
-                     * self.dtype.itemsize)       # per rank: each holds its KV heads
+                     * kv_itemsize)       # per rank: each holds its KV heads
         self.num_blocks = config.num_blocks or max(1, config.kv_cache_memory // per_block)
         limit = min(mcfg.max_position_embeddings, self.num_blocks * self.block_size)
         if mcfg.sliding_window:
@@ -145,7 +147,8 @@ class LLMEngine:
         if self.tp is not None:
             self.model.attach_group(self.tp.wait_ready())
         self.model_id = config.model_id or Path(config.model).resolve().name
-        self.layout = layout_key(KVLayout.of_tensor(self.kv_cache))
+        self.kv_scales_id = self.model.kv_scales_id
+        self.layout = layout_key(KVLayout.of_tensor(self.kv_cache, self.kv_scales_id))
         self.block_manager = BlockManager(self.num_blocks, self.block_size, self.model_id,
                                           self.layout, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,

@@ -104,7 +104,7 @@ def main(spec: WorkerSpec, writes_conn=None) -> None:
     try:
         runner = _load(spec)
         if spec.transfer_factory is not None:
-            store.set(key + f"kv/{spec.rank}", _start_transfer(spec, runner.kv_cache, writes_conn))
+            store.set(key + f"kv/{spec.rank}", _start_transfer(spec, runner, writes_conn))
     except BaseException:
         store.set(key + f"error/{spec.rank}", traceback.format_exc(limit=5))
         sys.exit(1)
@@ -144,7 +144,7 @@ def _load(spec: WorkerSpec):
     return ModelRunner(model, kv_cache, spec.block_size)
 
 
-def _start_transfer(spec: WorkerSpec, kv_cache, writes_conn) -> bytes:
+def _start_transfer(spec: WorkerSpec, runner, writes_conn) -> bytes:
     """This rank's transfer engine with its KV cache registered, the thread that runs rank
     0's write orders; returns the serialized KVRank to publish. The engine lives as long as
     the process (its memory is the cache)."""
@@ -153,9 +153,10 @@ def _start_transfer(spec: WorkerSpec, kv_cache, writes_conn) -> bytes:
     from common.kv_layout import KVLayout
     from protos.pdmesh.v1 import common_pb2
 
+    kv_cache = runner.kv_cache
     transfer = spec.transfer_factory()
     transfer.register(kv_cache.data_ptr(), kv_cache.numel() * kv_cache.element_size())
-    layout = KVLayout.of_tensor(kv_cache)
+    layout = KVLayout.of_tensor(kv_cache, runner.model.kv_scales_id)
     # the worker has no logging set up: stderr is the node's log
     print(f"tensor-parallel rank {spec.rank}: KV cache registered with {transfer.name} at {transfer.endpoint}, "
           f"listening on {', '.join(transfer.listen_addresses) or 'no listener of its own'}", file=sys.stderr, flush=True)

@@ -33,15 +33,18 @@ def load_rank(mcfg, backend, dtype: torch.dtype, device: torch.device, model_dir
               w8a8_mix_path: str = "dynamic") -> tuple[torch.nn.Module, torch.Tensor]:
     """One rank's model (its shard's weights, read from model_dir, on device, linears
     prepared) and its zeroed KV cache [num_layers, 2, num_blocks, block_size, its KV
-    heads, head_dim]: what rank 0 (LLMEngine) and every worker (common/parallel/worker.py)
+    heads, head_dim] (int8 for a C8 checkpoint): what rank 0 (LLMEngine) and every worker (common/parallel/worker.py)
     build alike. ValueError naming the problem for a checkpoint the engine cannot read."""
     model = build_model(mcfg, backend, dtype, max_positions=max_model_len, shard=shard,
                         quant=quantization_config(model_dir, w8a8_mix_path))
     model.load_weights(model_dir)
+    if model.kv_cache_dtype == torch.int8:
+        from common.model.formats.msmodelslim import kv_scales_id
+        model.kv_scales_id = kv_scales_id(model_dir)
     model.to(device)
     model.prepare_linears()
     kv_cache = torch.zeros(mcfg.num_layers, 2, num_blocks, block_size, shard.num_kv_heads, mcfg.head_dim,
-                           dtype=dtype, device=device)
+                           dtype=model.kv_cache_dtype, device=device)
     return model, kv_cache
 
 

@@ -4,7 +4,8 @@
 //
 //   query  float32 [num_seqs, num_heads, head_dim] (each head's values contiguous), and
 //          the softmax scale it is multiplied by first
-//   k/v    [num_blocks, block_size, num_kv_heads, head_dim], float32 / bfloat16 / float16
+//   k/v    [num_blocks, block_size, num_kv_heads, head_dim], float32 / bfloat16 / float16, or
+//          int8 codes read as their values (a C8 cache: kernels/kv_int8.py)
 //   block_tables int32 [num_seqs, max_blocks], seq_lens int32 [num_seqs] (>= 1); every
 //   id a sequence's length reaches is checked against num_blocks (RuntimeError, no read)
 //   returns float32 [num_seqs, num_heads, head_dim]
@@ -141,12 +142,18 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   }
   auto out = torch::empty(query.sizes(), query.options());
   if (num_seqs == 0) return out;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode", [&] {
-    decode_tasks<scalar_t>(query.data_ptr<float>(), query.stride(0), query.stride(1), static_cast<float>(scale),
-                           k_cache.data_ptr<scalar_t>(),
-                           v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(), lens,
-                           out.data_ptr<float>(), num_seqs, num_heads, num_kv_heads, head_dim,
-                           block_size, block_tables.size(1), k_cache.stride(0), k_cache.stride(1));
-  });
+  auto run = [&](auto* k, auto* v) {
+    decode_tasks(query.data_ptr<float>(), query.stride(0), query.stride(1), static_cast<float>(scale), k, v,
+                 block_tables.data_ptr<int32_t>(), lens, out.data_ptr<float>(), num_seqs, num_heads,
+                 num_kv_heads, head_dim, block_size, block_tables.size(1), k_cache.stride(0), k_cache.stride(1));
+  };
+  if (k_cache.scalar_type() == at::kChar) {
+    // C8: the codes themselves (kernels/kv_int8.py folds the scales around this call)
+    run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode", [&] {
+      run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
+    });
+  }
   return out;
 }

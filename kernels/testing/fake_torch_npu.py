@@ -29,6 +29,8 @@ result with plain torch in float32. Ops and the contracts enforced:
   quantized linears         npu_dynamic_quant, npu_quantize, npu_quant_matmul,
                             npu_convert_weight_to_int4pack, npu_weight_quant_batchmatmul:
                             kernels/testing/fake_npu_quant.py.
+  int8 (C8) KV cache        npu_fused_infer_attention_score with key/value antiquant
+                            scales, decode only (BSH, S = 1): kernels/testing/fake_npu_kv_int8.py.
 
 One relaxation: float32 query/key/value are accepted on CPU tensors (the engine's float32
 tests); on any other device the op's float16/bfloat16 rule applies.
@@ -244,9 +246,17 @@ def _fused_infer_attention_score(query, key, value, *, _strict_head_dim, _scale_
     op = "npu_fused_infer_attention_score"
     args = {**dict.fromkeys(_FIA_KEYWORDS), **_FIA_DEFAULTS, **kw}
     scale = kw.get(_scale_keyword, 1.0)
+    int8_kv = torch.int8 in (key.dtype, value.dtype)
+    modeled = _MODELED
+    if int8_kv:
+        from kernels.testing.fake_npu_kv_int8 import MODELED as ANTIQUANT, antiquant_decode
+        modeled = _MODELED | ANTIQUANT
     for name, val in kw.items():
-        if name not in _MODELED and name != _scale_keyword and val not in (None, _FIA_DEFAULTS.get(name)):
+        if name not in modeled and name != _scale_keyword and val not in (None, _FIA_DEFAULTS.get(name)):
             raise NotImplementedError(f"{op}: the emulator does not model {name}")
+    if int8_kv:
+        _require(isinstance(scale, float), op, f"{_scale_keyword} must be a float, got {type(scale).__name__}")
+        return antiquant_decode(query, key, value, args, scale)
     if args["input_layout"] != "TND" or args["block_table"] is None:
         raise NotImplementedError(f"{op}: the emulator models input_layout='TND' with page attention only")
     _require(query.dim() == 3, op, f"TND query must be 3-D [T, N, D], got {tuple(query.shape)}")

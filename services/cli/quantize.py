@@ -1,6 +1,6 @@
 """`pdmesh quantize`: a float model folder -> a quantized one the engine serves.
 
-    pdmesh quantize MODEL --scheme w8a8|w8a8-dynamic|w8a8-mix|w4a16 \
+    pdmesh quantize MODEL --scheme w8a8|w8a8-dynamic|w8a8-mix|w4a16|c8|w8a8-mix+c8|... \
         --format modelslim|compressed-tensors --calib FILE --out DIR
         [--smooth-alpha 0.5 | --no-smooth] [--method rtn|gptq] [--group-size 128]
         [--num-prompts 32] [--prompt-len 256]
@@ -10,7 +10,10 @@ prompt a line: {"text"}, {"prompt"} or {"messages"} in the model's chat template
 gpl-3 (the GPL-3 text every Debian has). W8A8 static needs the calibration for its
 activation ranges, every scheme for smoothing and GPTQ. Formats: modelslim writes
 msModelSlim's layout (quant_model_description.json; w8a8, w8a8-dynamic, w8a8-mix),
-compressed-tensors llm-compressor's (w8a8-dynamic, w4a16). Exit code 0, 2 on bad input.
+compressed-tensors llm-compressor's (w8a8-dynamic, w4a16). c8: an int8 KV cache with
+per-channel scales (msModelSlim's C8) from the calibration's key (after rotary) and value
+ranges: alone (float weights) or added to a W8A8 scheme ("w8a8-mix+c8", msModelSlim's
+W8A8C8). Exit code 0, 2 on bad input.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("quantize", help="write a quantized copy of a float model",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="float Hugging Face model folder")
-    p.add_argument("--scheme", required=True, help="w8a8, w8a8-dynamic, w8a8-mix or w4a16")
+    p.add_argument("--scheme", required=True, help="w8a8, w8a8-dynamic, w8a8-mix, w4a16, c8, or a w8a8 scheme +c8")
     p.add_argument("--format", required=True, dest="fmt", help="modelslim or compressed-tensors")
     p.add_argument("--calib", required=True, help="calibration text or JSONL file, or gpl-3")
     p.add_argument("--out", required=True, help="folder to write (replaced when it exists)")

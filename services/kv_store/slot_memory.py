@@ -29,7 +29,7 @@ class SlotMemory:
         self.layout = KVLayout(dtype=s.dtype, num_layers=s.num_layers, num_blocks=num_slots,
                                block_size=s.block_size, num_kv_heads=s.num_kv_heads,
                                head_dim=s.head_dim, base_address=self.pool.data_ptr(),
-                               strides=strides)
+                               strides=strides, scales_id=s.scales_id)
         self.transfer = transfer
         transfer.register(self.pool.data_ptr(), self.pool.numel())
 

@@ -110,7 +110,7 @@ class EngineNode:
             self.transfer = node_transfer(mesh, node.advertised_host)
             kv = self.llm_engine.kv_cache
             self.transfer.register(kv.data_ptr(), kv.numel() * kv.element_size())
-            self.layout = KVLayout.of_tensor(kv)
+            self.layout = KVLayout.of_tensor(kv, self.llm_engine.kv_scales_id)
             self.kv_ranks = [common_pb2.KVRank(transfer_endpoint=self.transfer.endpoint,
                                                layout=self.layout.to_proto())]
             self.kv_ranks += [common_pb2.KVRank.FromString(raw) for raw in (tp.kv_ranks if tp is not None else ())]
@@ -163,7 +163,8 @@ class EngineNode:
         device = kv.device
         return Staging(StagingPool(buffer, L, num_blocks, bs, heads, dim),
                        gather=lambda ids: tp.gather_kv(kv, ids),
-                       sender_for=lambda cache: KVSender(self.transfer, KVLayout.of_tensor(cache)),
+                       sender_for=lambda cache: KVSender(self.transfer, KVLayout.of_tensor(
+                           cache, self.llm_engine.kv_scales_id)),
                        sync=None if device.type == "cpu" else (lambda: torch.accelerator.synchronize(device)))
 
     def node_info(self) -> common_pb2.NodeInfo:

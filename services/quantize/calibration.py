@@ -44,13 +44,19 @@ class InputStats:
             self.xtx += x.t() @ x
 
 
-def calibrate(model_dir: str | Path, prompts: list[list[int]], hessian: bool = False) -> dict[str, InputStats]:
-    """Linear module name (e.g. "layers.0.self_attn.qkv") -> InputStats over all prompts."""
+def calibrate(model_dir: str | Path, prompts: list[list[int]], hessian: bool = False,
+              kv: dict[int, dict[str, torch.Tensor]] | None = None) -> dict[str, InputStats]:
+    """Linear module name (e.g. "layers.0.self_attn.qkv") -> InputStats over all prompts.
+    kv: filled with layer -> {"k": max|key|, "v": max|value|} per channel (float64
+    [kv_heads * head_dim]) of what each layer writes into its KV cache (keys after rotary):
+    a C8 cache's ranges."""
     from common.engine import LLM
     longest = max(len(p) for p in prompts)
     llm = LLM(str(model_dir), kernel_backend="ref", max_model_len=longest + 2,
               num_blocks=2 * (longest // 16 + 2), max_num_seqs=1)
     stats: dict[str, InputStats] = {}
+    if kv is not None:
+        _record_kv(llm.engine.backend, len(llm.engine.model.layers), kv)
     try:
         for name, linear in llm.engine.model.linears():
             width = linear.in_features
@@ -108,3 +114,19 @@ def calibration_prompts(model_dir: str | Path, path: str | Path, num_prompts: in
     if not prompts:
         raise ValueError(f"{path}: no calibration prompt of 2 tokens or more")
     return prompts
+
+
+def _record_kv(backend, num_layers: int, kv: dict[int, dict[str, torch.Tensor]]) -> None:
+    """Wrap this (calibration-only) backend's write_kv: the model calls it once a layer, in
+    layer order, with the keys after rotary and the values, as they enter the cache."""
+    write, calls = backend.write_kv, [0]
+
+    def recording(key, value, k_cache, v_cache, slot_mapping):
+        layer = kv.setdefault(calls[0] % num_layers, {})
+        calls[0] += 1
+        for name, x in (("k", key), ("v", value)):
+            amax = x.detach().double().abs().reshape(x.shape[0], -1).amax(0)
+            layer[name] = torch.maximum(layer[name], amax) if name in layer else amax
+        return write(key, value, k_cache, v_cache, slot_mapping)
+
+    backend.write_kv = recording

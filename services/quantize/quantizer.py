@@ -20,7 +20,8 @@ from services.quantize.smoothing import smooth
 from services.quantize.writers import writer_for
 
 log = logging.getLogger("pdmesh.quantize")
-SCHEMES = ("w8a8", "w8a8-dynamic", "w8a8-mix", "w4a16")
+SCHEMES = ("w8a8", "w8a8-dynamic", "w8a8-mix", "w4a16", "c8")   # and "<w8a8 scheme>+c8"
+C8 = "+c8"
 METHODS = ("rtn", "gptq")
 
 
@@ -32,12 +33,22 @@ class QuantizeOptions:
     method: str = "rtn"                   # W4A16: round-to-nearest or GPTQ
     group_size: int = 128
 
+    @property
+    def weights(self) -> str:
+        """The weights' scheme ("c8": float weights)."""
+        return self.scheme.removesuffix(C8)
+
+    @property
+    def kv_int8(self) -> bool:
+        return self.scheme == "c8" or self.scheme.endswith(C8)
+
     def __post_init__(self) -> None:
-        if self.scheme not in SCHEMES:
-            raise ValueError(f"--scheme must be one of {list(SCHEMES)}, got {self.scheme!r}")
+        allowed = [*SCHEMES, *(s + C8 for s in SCHEMES if s.startswith("w8a8"))]
+        if self.scheme not in allowed:
+            raise ValueError(f"--scheme must be one of {allowed}, got {self.scheme!r}")
         if self.method not in METHODS:
             raise ValueError(f"--method must be one of {list(METHODS)}, got {self.method!r}")
-        if self.method == "gptq" and self.scheme != "w4a16":
+        if self.method == "gptq" and self.weights != "w4a16":
             raise ValueError("--method gptq applies to --scheme w4a16 only (W8A8 uses smoothing)")
         if self.smooth_alpha is not None and not 0.0 <= self.smooth_alpha <= 1.0:
             raise ValueError(f"--smooth-alpha must be in [0, 1], got {self.smooth_alpha}")
@@ -79,14 +90,16 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, prompts: list[lis
         raise ValueError(f"{model_dir}: already quantized ({quantization_of(model_dir)}); give a float model")
     writer = writer_for(options.fmt, options.scheme, options.group_size)
     check_out_dir(model_dir, out_dir)
-    if options.scheme == "w4a16":
+    if options.weights == "w4a16":
         check_groups(model_dir, options.group_size)
     start = time.perf_counter()
     tensors = {name: tensor for name, tensor, _ in iter_checkpoint(model_dir)}
-    stats = calibrate(model_dir, prompts, hessian=options.method == "gptq")
+    kv: dict[int, dict[str, torch.Tensor]] | None = {} if options.kv_int8 else None
+    stats = calibrate(model_dir, prompts, hessian=options.method == "gptq", kv=kv)
     log.info("calibrated on %d prompts (%d tokens) in %.1fs", len(prompts), sum(map(len, prompts)),
              time.perf_counter() - start)
-    if options.scheme.startswith("w8a8") and options.smooth_alpha is not None:
+    if options.weights.startswith("w8a8") and options.smooth_alpha is not None:
+        # (smoothing keeps every q/k/v output, so the KV ranges stay valid)
         done = smooth(tensors, stats, options.smooth_alpha)
         log.info("smoothed %d layers (alpha %.2f)", len(done), options.smooth_alpha)
     out: dict[str, torch.Tensor] = {}
@@ -101,6 +114,8 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, prompts: list[lis
         if i % 8 == 0 or i == len(stats):
             log.info("quantized %d/%d linear layers", i, len(stats))
     out.update(tensors)
+    if kv is not None:
+        out.update(writer.kv_cache_int8(kv))
     staging = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(model_dir, staging, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json",

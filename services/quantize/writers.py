@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from services.quantize.calibration import InputStats
-from services.quantize.schemes import int4_per_group, int8_per_channel, pack_int4, static_activation
+from services.quantize.schemes import TINY, int4_per_group, int8_per_channel, pack_int4, static_activation
 
 CT_DIVISOR = 127.5     # compressed-tensors: (127 - -128) / 2
 MS_DIVISOR = 127.0     # msModelSlim / npu_dynamic_quant
@@ -74,20 +74,38 @@ class CompressedTensorsWriter:
 
 
 class MsModelSlimWriter:
-    """w8a8 (static), w8a8-dynamic, w8a8-mix (both sets)."""
+    """w8a8 (static), w8a8-dynamic, w8a8-mix (both sets); any of them with "+c8", or c8 alone
+    (float weights): an int8 KV cache with per-channel scales."""
 
-    SCHEMES = {"w8a8": "W8A8", "w8a8-dynamic": "W8A8_DYNAMIC", "w8a8-mix": "W8A8_MIX"}
+    SCHEMES = {"w8a8": "W8A8", "w8a8-dynamic": "W8A8_DYNAMIC", "w8a8-mix": "W8A8_MIX", "c8": "FLOAT"}
 
     def __init__(self, scheme: str):
-        if scheme not in self.SCHEMES:
+        weights = "c8" if scheme == "c8" else scheme.removesuffix("+c8")
+        if weights not in self.SCHEMES:
             raise ValueError(f"--scheme {scheme} cannot be written as msModelSlim here; allowed: "
-                             f"{list(self.SCHEMES)} (w4a16: --format compressed-tensors)")
-        self.kind = self.SCHEMES[scheme]
+                             f"{list(self.SCHEMES)}, a w8a8 scheme with +c8 (w4a16: --format compressed-tensors)")
+        self.kind = self.SCHEMES[weights]
         self.weights_file = "quant_model_weights.safetensors"
         self.types: dict[str, str] = {}
+        self.kv_type: str | None = None
+
+    def kv_cache_int8(self, kv: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """C8 scales from each layer's KV ranges (max |x| per channel): symmetric, offset 0
+        (vLLM-Ascend's decode reads C8 with scales alone)."""
+        out: dict[str, torch.Tensor] = {}
+        for i, ranges in sorted(kv.items()):
+            for proj, amax in (("k_proj", ranges["k"]), ("v_proj", ranges["v"])):
+                p = f"model.layers.{i}.self_attn.{proj}.kv_cache_"
+                out[p + "scale"] = (amax / 127.0).clamp_min(TINY).float()
+                out[p + "offset"] = torch.zeros(amax.shape[0], dtype=torch.float32)
+        self.types.update({name: "C8" for name in out})
+        self.kv_type = "C8"
+        return out
 
     def projection(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, stats: InputStats,
                    codes: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        if self.kind == "FLOAT":
+            return {name + ".weight": weight, **({name + ".bias": bias} if bias is not None else {})}
         codes, w_scale = int8_per_channel(weight, MS_DIVISOR)
         out = {name + ".weight": codes}
         if self.kind in ("W8A8", "W8A8_MIX"):
@@ -116,7 +134,7 @@ class MsModelSlimWriter:
     def finish(self, out_dir: Path, tensors: dict[str, torch.Tensor]) -> None:
         types = {name: self.types.get(name, "FLOAT") for name in tensors}
         description = {"version": "1.0.0", "model_quant_type": self.kind, "group_size": 0, "metadata": {},
-                       **types}
+                       **({"kv_cache_type": self.kv_type} if self.kv_type else {}), **types}
         (out_dir / "quant_model_description.json").write_text(json.dumps(description, indent=2) + "\n")
 
 

@@ -141,7 +141,7 @@ def edited(checkpoint, tmp_path, tensors=None, description=None):
     ("W8A8", None, lambda d: d.update({"model.layers.0.mlp.up_proj.weight": "W8A8_DYNAMIC"}),
      r"fused projections must share one quantization type \(they are one matmul\); got "
      r"model\.layers\.0\.mlp\.gate_proj=W8A8, model\.layers\.0\.mlp\.up_proj=W8A8_DYNAMIC"),
-    ("W8A8", None, lambda d: d.update(kv_cache_type="C8"), r"kv_cache_type 'C8' is not supported yet"),
+    ("W8A8", None, lambda d: d.update(kv_cache_type="FAKQuant"), r"kv_cache_type 'FAKQuant' is not supported; supported: 'C8'"),
     ("W8A8", lambda t: t.pop("model.layers.0.self_attn.o_proj.deq_scale"), None,
      r"checkpoint is missing 1 tensor\(s\): model\.layers\.0\.self_attn\.o_proj\.deq_scale"),
 ])

@@ -58,9 +58,13 @@ def test_greedy_tokens_equal_the_float64_dequantized_model(w4a16_model, backend_
         assert calls["npu_weight_quant_batchmatmul"] >= 16 * len(linears)
 
 
-def test_the_kernels_match_the_dequantized_weight():
-    """cpu's packed int4 matmul and ref's dequantized weight against float64, one layer."""
+@pytest.mark.parametrize("int4_kernel", [False, True], ids=["cpu-dequantized", "cpu-int4-kernel"])
+def test_the_kernels_match_the_dequantized_weight(int4_kernel, monkeypatch):
+    """cpu (oneDNN on the weight dequantized at load, or torch's packed int4 matmul) and
+    ref's dequantized weight against float64, one layer."""
     from kernels import get_backend
+    from kernels.cpu import CpuBackend, Int4Packed
+    monkeypatch.setattr(CpuBackend, "use_int4_kernel", int4_kernel)
     torch.manual_seed(0)
     w = torch.randn(64, 128)
     codes, scale = quantize_per_group(w, GROUP)
@@ -69,7 +73,10 @@ def test_the_kernels_match_the_dequantized_weight():
     want = x.double() @ ((codes.double() * scale.double().repeat_interleave(GROUP, 1)).t())
     for name in ("cpu", "ref"):
         backend = get_backend(name, "cpu")
-        got = backend.int4_linear(x, backend.prepare_int4_weight(stored, scale.float(), GROUP, torch.float32), None)
+        prepared = backend.prepare_int4_weight(stored, scale.float(), GROUP, torch.float32)
+        if name == "cpu":
+            assert isinstance(prepared, Int4Packed) == int4_kernel
+        got = backend.int4_linear(x, prepared, None)
         assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4), name
 
 

@@ -11,8 +11,10 @@ not tensors). A projection's type is its `<name>.weight` entry (a float `.bias` 
     W8A8           static asymmetric per-tensor activations (layers/int8_static_linear.py)
     W8A8_DYNAMIC   dynamic symmetric per-token activations, divisor 127 (layers/int8_linear.py)
     W8A8_MIX       both sets in one checkpoint; the engine's w8a8_mix_path picks one
+    C8             (kv_cache_type, and the `{k,v}_proj.kv_cache_{scale,offset}` entries) an int8
+                   KV cache with per-channel scales (layers/kv_cache_int8.py)
 
-Anything else (W8A16, W4A4_*, a C8 KV cache, ...) is refused at load with the tensor and
+Anything else (W8A16, W4A4_*, ...) is refused at load with the tensor and
 the allowed types named.
 """
 from __future__ import annotations
@@ -40,13 +42,14 @@ class MsModelSlimConfig(QuantizationConfig):
         self.source = source
         self.types = {k: v for k, v in description.items() if isinstance(v, str) and "." in k}
         kv = description.get("kv_cache_type") or description.get("kv_quant_type")
-        if kv:
-            raise ValueError(f"{source}: kv_cache_type {kv!r} is not supported yet; supported: none "
-                             f"(a float KV cache)")
+        if kv is None and "C8" in self.types.values():
+            kv = "C8"
+        if kv not in (None, "", "C8"):
+            raise ValueError(f"{source}: kv_cache_type {kv!r} is not supported; supported: 'C8' (int8 with "
+                             f"per-channel scales) or none (a float KV cache)")
+        self.kv_cache_int8 = kv == "C8"
         self.mix_path = w8a8_mix_path
         self._methods: dict[str, LinearMethod] = {}
-        if "W8A8_MIX" in self.types.values():
-            log.info("W8A8_MIX checkpoint: this engine runs its %s path", w8a8_mix_path)
 
     def scheme_of(self, projection: str) -> str:
         key = projection + ".weight"
@@ -60,6 +63,8 @@ class MsModelSlimConfig(QuantizationConfig):
 
     def method_for(self, scheme: str) -> LinearMethod:
         if scheme not in self._methods:
+            if scheme == "W8A8_MIX":   # said once, when the model is built (not when the config is only read)
+                log.info("W8A8_MIX checkpoint: this engine runs its %s path", self.mix_path)
             self._methods[scheme] = {
                 "FLOAT": FloatLinearMethod,
                 "W8A8": Int8StaticLinearMethod,
@@ -78,3 +83,25 @@ def msmodelslim_config(model_dir: str | Path, w8a8_mix_path: str) -> MsModelSlim
     if not isinstance(description, dict):
         raise ValueError(f"{path}: must be an object mapping tensor names to types")
     return MsModelSlimConfig(description, str(path), w8a8_mix_path)
+
+
+def kv_scales_id(model_dir: str | Path) -> str:
+    """The identity of a C8 checkpoint's KV cache scales: "c8:" and a digest of every
+    `kv_cache_scale` / `kv_cache_offset` tensor (names and bytes, in name order) of the whole
+    checkpoint, so every tensor-parallel rank and every node of the model computes the same."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    from common.model.formats.safetensors import checkpoint_files
+    digest = hashlib.blake2b(digest_size=8)
+    found: list[tuple[str, bytes]] = []
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith((".kv_cache_scale", ".kv_cache_offset")):
+                    t = f.get_tensor(name).float().contiguous()
+                    found.append((name, t.numpy().tobytes()))
+    for name, data in sorted(found):
+        digest.update(name.encode() + b"\x00" + data)
+    return "c8:" + digest.hexdigest()

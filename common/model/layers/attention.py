@@ -2,7 +2,7 @@
 KV cache.
 
     x -> qkv (column-parallel: this rank's query and KV heads) -> [q/k RMSNorm per head]
-      -> rotary -> write k, v into the cache at the step's slots
+      -> rotary -> [C8: k, v to int8 codes] -> write k, v into the cache at the step's slots
       -> decode tokens: paged decode; prefill chunks: causal over cached prefix + chunk
       -> o (row-parallel: all-reduce, then its bias)
 
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from common.model.config import ModelConfig
+from common.model.layers.kv_cache_int8 import KVCacheInt8
 from common.model.layers.linear import Linear, LinearPart
 from common.model.layers.norm import RMSNorm
 from common.model.layers.quant_config import QuantizationConfig
@@ -51,12 +52,15 @@ class GQAAttention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.scale = hd ** -0.5
+        self.kv_int8 = KVCacheInt8(self.num_kv_heads, hd, full_kv, kv0, prefix) if quant.kv_cache_int8 else None
 
     def weight_slots(self, prefix: str) -> dict[str, Slot]:
         slots = {**self.qkv.weight_slots(prefix), **self.o.weight_slots(prefix)}
         if self.q_norm is not None:
             slots.update(self.q_norm.weight_slots(prefix + "q_norm"))
             slots.update(self.k_norm.weight_slots(prefix + "k_norm"))
+        if self.kv_int8 is not None:
+            slots.update(self.kv_int8.weight_slots(prefix))
         return slots
 
     def forward(self, x: torch.Tensor, batch: StepBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -69,15 +73,19 @@ class GQAAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q, backend), self.k_norm(k, backend)
         q, k = backend.rotary(batch.positions, q, k, cos, sin)
+        kv_scales = None
+        if self.kv_int8 is not None:     # C8: the cache holds codes, and attention reads codes
+            k, v = self.kv_int8.quantize(k, v)
+            kv_scales = self.kv_int8.scales
         backend.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         nd = batch.num_decode_tokens
         if batch.prefill is None:
-            out = backend.decode(q, k_cache, v_cache, batch.decode, self.scale)
+            out = backend.decode(q, k_cache, v_cache, batch.decode, self.scale, kv_scales)
         elif batch.decode is None:
-            out = backend.prefill(q, k, v, k_cache, v_cache, batch.prefill, self.scale)
+            out = backend.prefill(q, k, v, k_cache, v_cache, batch.prefill, self.scale, kv_scales)
         else:
             out = torch.cat([
-                backend.decode(q[:nd], k_cache, v_cache, batch.decode, self.scale),
-                backend.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, batch.prefill, self.scale),
+                backend.decode(q[:nd], k_cache, v_cache, batch.decode, self.scale, kv_scales),
+                backend.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, batch.prefill, self.scale, kv_scales),
             ])
         return self.o(out.reshape(n, self.q_size), backend)

@@ -13,6 +13,7 @@ from common.model.layers.linear import LinearMethod
 
 class QuantizationConfig(ABC):
     name: str = ""
+    kv_cache_int8: bool = False    # C8: an int8 KV cache, its scales in the checkpoint (layers/kv_cache_int8.py)
 
     @abstractmethod
     def scheme_of(self, projection: str) -> str:

@@ -79,6 +79,8 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.dense_bytes: dict[str, int] = {}   # parameter name -> bytes before prepare_linears
+        self.kv_cache_dtype = torch.int8 if quant.kv_cache_int8 else dtype
+        self.kv_scales_id = ""      # a C8 model's, set by whoever loads it (common/runner/model_runner.py)
 
     def weight_slots(self) -> dict[str, Slot]:
         slots = {**self.embed.weight_slots("model.embed_tokens"), **self.norm.weight_slots("model.norm"),
@@ -116,6 +118,9 @@ class LlamaForCausalLM(nn.Module):
         self.dense_bytes = {name: p.numel() * p.element_size() for name, p in self.named_parameters()}
         for _, linear in self.linears():
             linear.prepare(self.backend)
+        for layer in self.layers:
+            if layer.self_attn.kv_int8 is not None:
+                layer.self_attn.kv_int8.prepare()
         self.lm_head.prepare(self.backend)
 
     def forward(self, input_ids: torch.Tensor, batch: StepBatch, kv_cache: torch.Tensor,

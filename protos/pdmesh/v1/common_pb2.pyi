@@ -75,7 +75,7 @@ class NodeLoad(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., stalled: _Optional[bool] = ..., cached_blocks: _Optional[int] = ..., quarantined_blocks: _Optional[int] = ..., transfer_bytes_written: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("dtype", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "base_address", "strides")
+    __slots__ = ("dtype", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "base_address", "strides", "scales_id")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class KVLayout(_message.Message):
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STRIDES_FIELD_NUMBER: _ClassVar[int]
+    SCALES_ID_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     num_layers: int
     num_blocks: int
@@ -92,7 +93,8 @@ class KVLayout(_message.Message):
     head_dim: int
     base_address: int
     strides: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., base_address: _Optional[int] = ..., strides: _Optional[_Iterable[int]] = ...) -> None: ...
+    scales_id: str
+    def __init__(self, dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., base_address: _Optional[int] = ..., strides: _Optional[_Iterable[int]] = ..., scales_id: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
     __slots__ = ("node_id", "role", "address", "model_id", "transfer_backend", "transfer_endpoint", "kv_layout", "load", "max_model_len", "transfer_listen_addresses", "tensor_parallel_size", "kv_ranks")
