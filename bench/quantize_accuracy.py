@@ -1,6 +1,7 @@
-"""What each quantization scheme costs: `pdmesh quantize` (calibrated on another text than
-the one evaluated: the Apache-2.0 license, on every Debian like GPL-3) then `pdmesh eval`
-perplexity on GPL-3 and next-token agreement / KL against the float model, per scheme.
+"""What each quantization scheme costs: `pdmesh quantize` (calibrated on other texts than
+the one evaluated: the non-GPL licenses every Debian has, Apache-2.0, MPL-2.0, Artistic,
+CC0-1.0 and BSD, about 8,000 tokens) then `pdmesh eval` perplexity on GPL-3 and next-token
+agreement / KL against the float model, per scheme.
 
     python bench/quantize_accuracy.py [--model smollm2] [--schemes w8a8-dynamic:compressed-tensors,...]
         [--max-tokens 0] [--out bench/results/quantize_accuracy.json]
@@ -25,7 +26,9 @@ from services.cli import main as pdmesh  # noqa: E402
 
 DEFAULT_SCHEMES = ("w8a8-dynamic:compressed-tensors:rtn:nosmooth", "w8a8-dynamic:compressed-tensors",
                    "w8a8:modelslim:rtn:nosmooth", "w8a8:modelslim", "w4a16:compressed-tensors:rtn",
-                   "w4a16:compressed-tensors:gptq")
+                   "w4a16:compressed-tensors:gptq", "c8:modelslim")
+LICENSES = Path("/usr/share/common-licenses")
+CALIBRATION = ("Apache-2.0", "MPL-2.0", "Artistic", "CC0-1.0", "BSD")     # none of the GPL family
 
 
 def run(argv: list[str]) -> None:
@@ -54,8 +57,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="smollm2 (pulled on first use) or a float model folder")
     ap.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES))
-    ap.add_argument("--calib", default="/usr/share/common-licenses/Apache-2.0",
-                    help="calibration text (not GPL-3: the chat dataset quotes it)")
+    ap.add_argument("--calib", default="licenses",
+                    help="calibration text, or licenses: the non-GPL licenses concatenated (not GPL-3: the "
+                         "evaluation text)")
     ap.add_argument("--group-size", type=int, default=64, help="W4A16 (SmolLM2's 576 is no multiple of 128)")
     ap.add_argument("--max-tokens", type=int, default=0, help="perplexity on the text's first N tokens (0 = all)")
     ap.add_argument("--num-prompts", type=int, default=8, help="agreement/KL prompts")
@@ -63,8 +67,13 @@ def main() -> int:
     args = ap.parse_args()
     model = model_folder(args.model)
     work = Path(tempfile.mkdtemp(prefix="pdmesh-quant-bench-"))
+    if args.calib == "licenses":
+        args.calib = str(work / "calibration.txt")
+        Path(args.calib).write_text("\n\n".join((LICENSES / name).read_text() for name in CALIBRATION))
     report = {"command": " ".join(["python", "bench/quantize_accuracy.py", *sys.argv[1:]]),
-              "machine": machine_info(), "model": str(model), "calibration": args.calib, "runs": []}
+              "machine": machine_info(), "model": str(model), "runs": [],
+              "calibration": [str(LICENSES / n) for n in CALIBRATION] if args.calib == str(work / "calibration.txt")
+              else args.calib}
     try:
         start = time.perf_counter()
         base = evaluate(model, None, args, work)

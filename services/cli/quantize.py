@@ -2,7 +2,7 @@
 
     pdmesh quantize MODEL --scheme w8a8|w8a8-dynamic|w8a8-mix|w4a16|c8|w8a8-mix+c8|... \
         --format modelslim|compressed-tensors --calib FILE --out DIR
-        [--smooth-alpha 0.5 | --no-smooth] [--method rtn|gptq] [--group-size 128]
+        [--smooth-alpha auto|0.5 | --no-smooth] [--method rtn|gptq] [--group-size 128]
         [--num-prompts 32] [--prompt-len 256]
 
 --calib: a text file (cut into prompts of --prompt-len tokens) or a JSONL file (one
@@ -32,7 +32,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--format", required=True, dest="fmt", help="modelslim or compressed-tensors")
     p.add_argument("--calib", required=True, help="calibration text or JSONL file, or gpl-3")
     p.add_argument("--out", required=True, help="folder to write (replaced when it exists)")
-    p.add_argument("--smooth-alpha", type=float, default=0.5, help="W8A8: SmoothQuant strength (default: %(default)s)")
+    p.add_argument("--smooth-alpha", default="auto",
+                   help="W8A8: SmoothQuant strength in [0, 1], or auto: per layer, the strength with the least "
+                        "W8A8 output error on the calibration sample (default: %(default)s)")
     p.add_argument("--no-smooth", action="store_true", help="W8A8: plain round-to-nearest, no smoothing")
     p.add_argument("--method", default="rtn", help="W4A16: rtn or gptq (default: %(default)s)")
     p.add_argument("--group-size", type=int, default=128, help="W4A16: inputs a scale (default: %(default)s)")
@@ -46,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     from services.quantize.quantizer import QuantizeOptions, quantize_model
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        options = QuantizeOptions(args.scheme, args.fmt, None if args.no_smooth else args.smooth_alpha,
+        alpha = args.smooth_alpha if args.smooth_alpha == "auto" else _number("--smooth-alpha", args.smooth_alpha)
+        options = QuantizeOptions(args.scheme, args.fmt, None if args.no_smooth else alpha,
                                   args.method, args.group_size)
         if args.num_prompts < 1 or args.prompt_len < 2:
             raise ValueError("--num-prompts must be >= 1 and --prompt-len >= 2")
@@ -58,3 +61,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(f"pdmesh quantize: {args.scheme} ({args.fmt}) written to {out}")
     return 0
+
+
+def _number(flag: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{flag} must be 'auto' or a number in [0, 1], got {text!r}") from None

@@ -3,8 +3,10 @@ through the float model (the engine on the ref backend, a forward pre-hook per L
 
 A Linear fuses projections that share one input (q/k/v, gate/up), so the statistics are
 per Linear and apply to each of its projections. Kept per input channel j:
-min_j, max_j (float64), the number of tokens, and with `hessian` the sum of x^T x
-(GPTQ's H / 2), float64 [in, in].
+min_j, max_j (float64), the number of tokens, with `hessian` the sum of x^T x (GPTQ's
+H / 2), float64 [in, in], and with `samples` a fixed-size random sample of the input rows
+(float32; reservoir sampling, seeded: the same prompts give the same sample), on which
+smoothing measures what each migration strength costs.
 """
 from __future__ import annotations
 
@@ -26,7 +28,10 @@ class InputStats:
     max: torch.Tensor               # float64 [in]
     num_tokens: int = 0
     xtx: torch.Tensor | None = None   # float64 [in, in]: sum over tokens of x x^T
+    max_samples: int = 0
+    samples: torch.Tensor | None = None   # float32 [<= max_samples, in]
     _seen: bool = field(default=False, repr=False)
+    _rng: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(0), repr=False)
 
     @property
     def absmax(self) -> torch.Tensor:
@@ -39,13 +44,29 @@ class InputStats:
             torch.maximum(self.max, x.amax(0), out=self.max)
         else:
             self.min, self.max, self._seen = x.amin(0), x.amax(0), True
+        if self.max_samples:
+            self._sample(x.float())
         self.num_tokens += x.shape[0]
         if self.xtx is not None:
             self.xtx += x.t() @ x
 
+    def _sample(self, rows: torch.Tensor) -> None:
+        """Reservoir sampling (Algorithm R): every row seen so far is in the sample with the
+        same probability."""
+        held = 0 if self.samples is None else self.samples.shape[0]
+        take = min(rows.shape[0], self.max_samples - held)
+        if take:
+            self.samples = rows[:take].clone() if self.samples is None else torch.cat([self.samples, rows[:take]])
+        rest = rows[take:]
+        if rest.shape[0]:
+            seen = self.num_tokens + take + torch.arange(rest.shape[0], dtype=torch.float64)   # rows before each
+            slot = (torch.rand(rest.shape[0], generator=self._rng, dtype=torch.float64) * (seen + 1)).long()
+            for i in (slot < self.max_samples).nonzero().flatten().tolist():   # in order: a later row wins
+                self.samples[slot[i]] = rest[i]
+
 
 def calibrate(model_dir: str | Path, prompts: list[list[int]], hessian: bool = False,
-              kv: dict[int, dict[str, torch.Tensor]] | None = None) -> dict[str, InputStats]:
+              kv: dict[int, dict[str, torch.Tensor]] | None = None, samples: int = 0) -> dict[str, InputStats]:
     """Linear module name (e.g. "layers.0.self_attn.qkv") -> InputStats over all prompts.
     kv: filled with layer -> {"k": max|key|, "v": max|value|} per channel (float64
     [kv_heads * head_dim]) of what each layer writes into its KV cache (keys after rotary):
@@ -62,7 +83,8 @@ def calibrate(model_dir: str | Path, prompts: list[list[int]], hessian: bool = F
             width = linear.in_features
             stats[name] = InputStats(linear.projections, torch.zeros(width, dtype=torch.float64),
                                      torch.zeros(width, dtype=torch.float64),
-                                     xtx=torch.zeros(width, width, dtype=torch.float64) if hessian else None)
+                                     xtx=torch.zeros(width, width, dtype=torch.float64) if hessian else None,
+                                     max_samples=samples)
             linear.register_forward_pre_hook(lambda _m, args, s=stats[name]: s.add(args[0]))
         for i, prompt in enumerate(prompts, 1):
             llm.prompt_logprobs_full(prompt)

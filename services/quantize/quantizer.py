@@ -23,13 +23,14 @@ log = logging.getLogger("pdmesh.quantize")
 SCHEMES = ("w8a8", "w8a8-dynamic", "w8a8-mix", "w4a16", "c8")   # and "<w8a8 scheme>+c8"
 C8 = "+c8"
 METHODS = ("rtn", "gptq")
+SAMPLES = 256      # calibration rows kept per linear layer for choosing its smoothing strength
 
 
 @dataclass(frozen=True)
 class QuantizeOptions:
     scheme: str
     fmt: str
-    smooth_alpha: float | None = 0.5      # W8A8: SmoothQuant's migration strength; None = off
+    smooth_alpha: float | str | None = "auto"   # W8A8: SmoothQuant's migration strength, "auto" per layer; None = off
     method: str = "rtn"                   # W4A16: round-to-nearest or GPTQ
     group_size: int = 128
 
@@ -50,8 +51,9 @@ class QuantizeOptions:
             raise ValueError(f"--method must be one of {list(METHODS)}, got {self.method!r}")
         if self.method == "gptq" and self.weights != "w4a16":
             raise ValueError("--method gptq applies to --scheme w4a16 only (W8A8 uses smoothing)")
-        if self.smooth_alpha is not None and not 0.0 <= self.smooth_alpha <= 1.0:
-            raise ValueError(f"--smooth-alpha must be in [0, 1], got {self.smooth_alpha}")
+        if self.smooth_alpha not in (None, "auto") and not (
+                isinstance(self.smooth_alpha, (int, float)) and 0.0 <= self.smooth_alpha <= 1.0):
+            raise ValueError(f"--smooth-alpha must be 'auto' or a number in [0, 1], got {self.smooth_alpha!r}")
         if self.group_size < 8 or self.group_size % 8:
             raise ValueError(f"--group-size must be a positive multiple of 8, got {self.group_size}")
 
@@ -95,13 +97,18 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, prompts: list[lis
     start = time.perf_counter()
     tensors = {name: tensor for name, tensor, _ in iter_checkpoint(model_dir)}
     kv: dict[int, dict[str, torch.Tensor]] | None = {} if options.kv_int8 else None
-    stats = calibrate(model_dir, prompts, hessian=options.method == "gptq", kv=kv)
+    auto = options.weights.startswith("w8a8") and options.smooth_alpha == "auto"
+    stats = calibrate(model_dir, prompts, hessian=options.method == "gptq", kv=kv, samples=SAMPLES if auto else 0)
     log.info("calibrated on %d prompts (%d tokens) in %.1fs", len(prompts), sum(map(len, prompts)),
              time.perf_counter() - start)
     if options.weights.startswith("w8a8") and options.smooth_alpha is not None:
         # (smoothing keeps every q/k/v output, so the KV ranges stay valid)
-        done = smooth(tensors, stats, options.smooth_alpha)
-        log.info("smoothed %d layers (alpha %.2f)", len(done), options.smooth_alpha)
+        paths = {"w8a8": ("static",), "w8a8-dynamic": ("dynamic",)}.get(options.weights, ("static", "dynamic"))
+        done = smooth(tensors, stats, options.smooth_alpha, paths)
+        chosen = sorted(set(done.values()))
+        log.info("smoothed %d layers (alpha %s)", len(done),
+                 options.smooth_alpha if options.smooth_alpha != "auto" else
+                 f"per layer, least {'+'.join(paths)} error on the calibration sample: {chosen[0]}..{chosen[-1]}")
     out: dict[str, torch.Tensor] = {}
     for i, st in enumerate(stats.values(), 1):
         for name in st.projections:

@@ -133,7 +133,7 @@ def outlier_model(float_model):
 def test_smoothing_keeps_the_float_function(outlier_model):
     tensors = {k: v.clone() for k, v in load_file(outlier_model / "model.safetensors").items()}
     stats = calibrate(outlier_model, prompts())
-    assert len(smooth(tensors, stats, 0.5)) == 2 * SMALL["num_layers"]
+    assert len(smooth(tensors, stats, 0.5)) == 3 * SMALL["num_layers"]     # q/k/v, gate/up, down
     moved = outlier_model.parent / "smoothed-float"
     shutil.copytree(outlier_model, moved, dirs_exist_ok=True)
     save_file(tensors, moved / "model.safetensors")
@@ -190,6 +190,11 @@ def test_gptq_beats_round_to_nearest_on_its_objective(float_model):
     (["--scheme", "w8a8", "--format", "modelslim", "--method", "gptq"], "--method gptq applies to --scheme w4a16"),
     (["--scheme", "int3", "--format", "modelslim"], "--scheme must be one of"),
     (["--scheme", "w4a16", "--format", "compressed-tensors", "--group-size", "12"], "--group-size must be"),
+    (["--scheme", "w8a8", "--format", "modelslim", "--smooth-alpha", "strong"],
+     "--smooth-alpha must be 'auto' or a number in [0, 1], got 'strong'"),
+    (["--scheme", "w8a8", "--format", "modelslim", "--smooth-alpha", "1.5"], "--smooth-alpha must be 'auto'"),
+    (["--scheme", "c8", "--format", "compressed-tensors"], "--scheme c8 cannot be written as compressed-tensors"),
+    (["--scheme", "w4a16+c8", "--format", "modelslim"], "--scheme must be one of"),
 ])
 def test_bad_requests_exit_2_naming_the_problem(float_model, tmp_path, capsys, args, message):
     code = pdmesh_main(["quantize", str(float_model), "--calib", "gpl-3", "--out", str(tmp_path / "q"),
@@ -224,3 +229,49 @@ def test_a_group_size_that_does_not_divide_the_inputs_is_refused_before_calibrat
     err = capsys.readouterr().err
     assert code == 2 and "--group-size 256 must divide every projection's inputs; it does not divide " \
                          "hidden_size = 128, num_attention_heads * head_dim = 128, intermediate_size = 384; 128 fits" in err, err
+
+
+def test_auto_smoothing_picks_each_layers_least_error_strength(outlier_model):
+    """"auto": per layer, the strength whose W8A8 output error on the calibration sample is
+    least (every candidate computed here), and the sample is the same on every run."""
+    from services.quantize.smoothing import ALPHAS, choose_alpha, smoothing_factors, w8a8_error
+    stats = calibrate(outlier_model, prompts(), samples=64)
+    again = calibrate(outlier_model, prompts(), samples=64)
+    tensors = load_file(outlier_model / "model.safetensors")
+    for name in ("layers.0.self_attn.qkv", "layers.1.mlp.down"):
+        st = stats[name]
+        assert st.samples.shape == (64, st.min.shape[0]) and torch.equal(st.samples, again[name].samples)
+        w = torch.cat([tensors[p + ".weight"].double() for p in st.projections])
+        w_absmax = w.abs().amax(0)
+        errors = {}
+        for alpha in ALPHAS:
+            s = smoothing_factors(st.absmax, w_absmax, alpha)
+            errors[alpha] = w8a8_error(st.samples.float(), w.float(), s.float(), float((st.min / s).min()),
+                                       float((st.max / s).max()), ("static",))
+        assert choose_alpha(st, w, w_absmax, ("static",)) == min(errors, key=errors.get)
+        assert len(set(errors.values())) > 1
+
+
+def test_c8_scales_come_from_what_each_layer_writes_into_its_cache(float_model, tmp_path):
+    """--scheme c8: float weights, per-channel symmetric scales = max |key after rotary| / 127
+    (and |value|) over the calibration, offset 0; the description says C8."""
+    from services.quantize.calibration import calibration_prompts
+    ps = calibration_prompts(float_model, "/usr/share/common-licenses/GPL-3", 2, 64)
+    out = quantize_model(float_model, tmp_path / "c8", ps, QuantizeOptions("c8", "modelslim"))
+    kv: dict = {}
+    calibrate(float_model, ps, kv=kv)
+    tensors = load_file(out / "quant_model_weights.safetensors")
+    floats = load_file(float_model / "model.safetensors")
+    for i in range(SMALL["num_layers"]):
+        p = f"model.layers.{i}.self_attn."
+        assert torch.equal(tensors[p + "k_proj.weight"], floats[p + "k_proj.weight"])
+        torch.testing.assert_close(tensors[p + "k_proj.kv_cache_scale"].double(), kv[i]["k"] / 127)
+        torch.testing.assert_close(tensors[p + "v_proj.kv_cache_scale"].double(), kv[i]["v"] / 127)
+        assert not tensors[p + "v_proj.kv_cache_offset"].any()
+    description = json.loads((out / "quant_model_description.json").read_text())
+    assert description["kv_cache_type"] == "C8" and description["model.layers.0.self_attn.k_proj.kv_cache_scale"] == "C8"
+    with LLM(str(out), kernel_backend="cpu", num_blocks=64) as llm, \
+            LLM(str(float_model), kernel_backend="cpu", num_blocks=64) as fp:
+        assert llm.engine.kv_cache.dtype == torch.int8
+        # on text in the calibration's range (a calibration prompt) int8 KV costs little (0.14 on unrelated ids)
+        assert kl(fp.prompt_logprobs_full(ps[0]).double(), llm.prompt_logprobs_full(ps[0]).double()) < 1e-2
