@@ -101,6 +101,18 @@ class CpuBackend(RefBackend):
     def int8_matmul(self, x_q: torch.Tensor, weight: Any) -> torch.Tensor:
         return torch._int_mm(x_q.contiguous(), weight)
 
+    def quantize_per_token(self, x, divisor: float):
+        if self.extension is None or x.dim() != 2 or x.stride(1) != 1:
+            return super().quantize_per_token(x, divisor)
+        q, scale = self.extension.quantize_per_token(x, divisor)
+        return q, scale
+
+    def int8_scaled_matmul(self, x_q, weight, scale, row_scale=None, int_bias=None, bias=None,
+                           out_dtype=torch.float32):
+        if self.extension is None or (bias is not None and bias.dtype != torch.float32):
+            return super().int8_scaled_matmul(x_q, weight, scale, row_scale, int_bias, bias, out_dtype)
+        return self.extension.dequant_rows(self.int8_matmul(x_q, weight), scale, row_scale, int_bias, bias, out_dtype)
+
     # torch's packed int4 CPU matmul ran 11-17x (1 row) to 88-95x (512 rows) slower than oneDNN on the
     # dequantized weight (bench/int4_cpu.py, bench/results/int4_cpu.json): W4A16 on a CPU is
     # dequantized once at load, and its 4-bit storage saves disk and transfer, not memory.

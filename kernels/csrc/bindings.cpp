@@ -12,4 +12,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows", release());
   m.def("rotary", &rotary, "rotate-half rotary embedding of query and key, in place", release());
   m.def("write_kv", &write_kv, "key and value rows into the paged caches at their slots", release());
+  m.def("quantize_per_token", &quantize_per_token, "int8 codes and float32 scale of each row (dynamic, symmetric)",
+        release());
+  m.def("dequant_rows", &dequant_rows, "((acc + int_bias) * col_scale * row_scale + bias) as out_dtype", py::arg("acc"),
+        py::arg("col_scale"), py::arg("row_scale") = py::none(), py::arg("int_bias") = py::none(),
+        py::arg("bias") = py::none(), py::arg("out_dtype") = at::kFloat, release());
 }

@@ -15,3 +15,9 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 void rotary(torch::Tensor positions, torch::Tensor query, torch::Tensor key, torch::Tensor cos, torch::Tensor sin);
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_mapping);
+
+// quant_ops_cpu.cpp
+std::vector<torch::Tensor> quantize_per_token(torch::Tensor x, double divisor);
+torch::Tensor dequant_rows(torch::Tensor acc, torch::Tensor col_scale, c10::optional<torch::Tensor> row_scale,
+                           c10::optional<torch::Tensor> int_bias, c10::optional<torch::Tensor> bias,
+                           at::ScalarType out_dtype);

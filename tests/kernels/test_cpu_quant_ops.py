@@ -1,0 +1,78 @@
+"""The cpu backend's C++ W8A8 halves (kernels/csrc/quant_ops_cpu.cpp) against the torch
+reference (kernels/api.py): per-token quantization code for code (round half to even, an
+all-zero row, every dtype, rows over threads), the int32 accumulator back to floats with
+every combination of scales and biases, and what each refuses."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernels.api import Backend
+from kernels.cpu import CpuBackend
+from kernels.ref import RefBackend
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def backend() -> CpuBackend:
+    backend = CpuBackend("cpu")
+    if os.environ.get("PDMESH_CPU_EXTENSION") == "0":
+        pytest.skip("the C++ kernels are off")
+    assert backend.extension is not None, "kernels/cpu_extension.py could not build the C++ kernels"
+    return backend
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("divisor", [127.0, 127.5])
+def test_quantize_per_token_equals_the_reference_code_for_code(backend, dtype, rows, divisor):
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 200, generator=g) * 3).to(dtype)
+    x[0, 7] = 40.0            # an outlier channel
+    if rows > 2:
+        x[2] = 0              # an all-zero row: scale 1, codes 0
+    want_q, want_s = Backend.quantize_per_token(RefBackend(), x, divisor)
+    q, s = backend.quantize_per_token(x, divisor)
+    assert q.dtype == torch.int8 and s.shape == (rows, 1) and s.dtype == torch.float32
+    assert torch.equal(s, want_s) and torch.equal(q, want_q)
+
+
+def test_quantize_rounds_half_to_even(backend):
+    x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 126.5]])      # scale 1 at divisor 127
+    q, s = backend.quantize_per_token(x, 127.0)
+    assert float(s) == 1.0 and q.tolist() == [[127, 0, 2, 2, 0, -2, 126]]
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("row_scale, int_bias, bias", [(False, False, False), (True, False, True),
+                                                       (False, True, False), (True, True, True)])
+def test_int8_scaled_matmul_equals_the_reference(backend, out_dtype, row_scale, int_bias, bias):
+    g = torch.Generator().manual_seed(1)
+    x_q = torch.randint(-128, 128, (5, 64), dtype=torch.int8, generator=g)
+    w = torch.randint(-128, 128, (48, 64), dtype=torch.int8, generator=g)
+    scale = torch.rand(1, 48, generator=g) * 1e-3
+    kwargs = dict(row_scale=torch.rand(5, 1, generator=g) if row_scale else None,
+                  int_bias=torch.randint(-5000, 5000, (48,), dtype=torch.int32, generator=g) if int_bias else None,
+                  bias=torch.randn(48, generator=g) if bias else None, out_dtype=out_dtype)
+    want = Backend.int8_scaled_matmul(RefBackend(), x_q, w, scale, **kwargs)
+    got = backend.int8_scaled_matmul(x_q, backend.prepare_int8_weight(w), scale, **kwargs)
+    assert got.dtype == out_dtype
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6)     # one float rounding at most (fused multiply-add)
+
+
+def test_the_ops_refuse_what_they_cannot_read(backend):
+    ext = backend.extension
+    with pytest.raises(RuntimeError, match="divisor must be > 0"):
+        ext.quantize_per_token(torch.ones(2, 4), 0.0)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        ext.quantize_per_token(torch.ones(4, 2).t(), 127.0)
+    acc = torch.zeros(2, 3, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="one value per output"):
+        ext.dequant_rows(acc, torch.ones(4))
+    with pytest.raises(RuntimeError, match="one value per row"):
+        ext.dequant_rows(acc, torch.ones(3), torch.ones(3, 1))
+    with pytest.raises(RuntimeError, match="int32 matrix"):
+        ext.dequant_rows(acc.float(), torch.ones(3))
