@@ -25,7 +25,7 @@ from services.bench.machine import machine_info  # noqa: E402
 from services.cli import main as pdmesh  # noqa: E402
 
 DEFAULT_SCHEMES = ("w8a8-dynamic:compressed-tensors:rtn:nosmooth", "w8a8-dynamic:compressed-tensors",
-                   "w8a8:modelslim:rtn:nosmooth", "w8a8:modelslim", "w4a16:compressed-tensors:rtn",
+                   "w8a8:modelslim:rtn:nosmooth", "w8a8:modelslim", "w4a16:compressed-tensors:rtn:nosmooth",
                    "w4a16:compressed-tensors:gptq", "c8:modelslim")
 LICENSES = Path("/usr/share/common-licenses")
 CALIBRATION = ("Apache-2.0", "MPL-2.0", "Artistic", "CC0-1.0", "BSD")     # none of the GPL family

@@ -201,6 +201,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=("smollm2", "bench"), default="smollm2",
                     help="smollm2: SmolLM2-135M-Instruct on real chat requests; bench: the 90M random Llama")
+    ap.add_argument("--model-dir", default=None,
+                    help="serve this folder instead (e.g. a `pdmesh quantize` checkpoint of SmolLM2; both servers "
+                         "load it); --model still picks the requests")
+    ap.add_argument("--topologies", default=",".join(TOPOLOGIES),
+                    help=f"pdmesh's topologies to measure, comma-separated, of {list(TOPOLOGIES)}")
     ap.add_argument("--dataset", default=None,
                     help="a JSONL of requests (services/bench/datasets.py); default with --model smollm2: "
                          "bench/datasets/smollm2_chat.jsonl, with --model bench: random token ids")
@@ -225,8 +230,12 @@ def main() -> int:
     rates = [float(r) for r in args.rates.split(",")]
     if args.dataset is None and args.model == "smollm2":
         args.dataset = str(ROOT / "bench" / "datasets" / "smollm2_chat.jsonl")
-    model = bench_model(args.model)
-    servers = list(TOPOLOGIES) + ([UNBORROWED] if args.with_unborrowed else [])
+    model = Path(args.model_dir).resolve() if args.model_dir else bench_model(args.model)
+    topologies = args.topologies.split(",")
+    unknown = sorted(set(topologies) - set(TOPOLOGIES))
+    if unknown:
+        raise SystemExit(f"--topologies: {unknown} unknown; allowed: {list(TOPOLOGIES)}")
+    servers = [t for t in TOPOLOGIES if t in topologies] + ([UNBORROWED] if args.with_unborrowed else [])
     if Path(args.vllm_python).exists():
         servers.insert(0, "vllm")
     else:

@@ -8,7 +8,8 @@ activations X stays small where round-to-nearest leaves it large.
     8 * in^2 bytes each, ~2 GB a layer for an 8B Llama: a 135M model needs ~100 MB)
     U = chol(H^-1, upper)
     for each column j (in blocks of 128 columns, lazy updates):
-        at a group's first column: s = max|W[:, group]| / 7.5 from the updated weights
+        at a group's first column: s from the updated weights (schemes.int4_scale: the clip
+        of max|W[:, group]| / 7.5 with the least squared error)
         q_j = clamp(round(w_j / s), -8, 7);  e = (w_j - q_j s) / U_jj
         W[:, j+1:] -= e U_j,j+1:
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from services.quantize.schemes import TINY, stored
+from services.quantize.schemes import int4_scale
 
 DAMP = 0.01
 
@@ -43,7 +44,7 @@ def gptq_int4(weight: torch.Tensor, xtx: torch.Tensor, num_tokens: int, group_si
         for i in range(b1 - b0):
             col = b0 + i
             if col % group_size == 0:
-                s = stored((wb[:, i:i + group_size].abs().amax(dim=1) / 7.5).clamp_min(TINY), weight.dtype)
+                s = int4_scale(wb[:, i:i + group_size], weight.dtype)
                 scales[:, col // group_size] = s
             s = scales[:, col // group_size]
             q = torch.round(wb[:, i] / s).clamp(-8, 7)

@@ -97,13 +97,15 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, prompts: list[lis
     start = time.perf_counter()
     tensors = {name: tensor for name, tensor, _ in iter_checkpoint(model_dir)}
     kv: dict[int, dict[str, torch.Tensor]] | None = {} if options.kv_int8 else None
-    auto = options.weights.startswith("w8a8") and options.smooth_alpha == "auto"
+    auto = options.weights != "c8" and options.smooth_alpha == "auto"
     stats = calibrate(model_dir, prompts, hessian=options.method == "gptq", kv=kv, samples=SAMPLES if auto else 0)
     log.info("calibrated on %d prompts (%d tokens) in %.1fs", len(prompts), sum(map(len, prompts)),
              time.perf_counter() - start)
-    if options.weights.startswith("w8a8") and options.smooth_alpha is not None:
-        # (smoothing keeps every q/k/v output, so the KV ranges stay valid)
-        paths = {"w8a8": ("static",), "w8a8-dynamic": ("dynamic",)}.get(options.weights, ("static", "dynamic"))
+    if options.weights != "c8" and options.smooth_alpha is not None:
+        # (smoothing keeps every q/k/v output, so the KV ranges stay valid). W4A16: AWQ's idea,
+        # the activations' scale moved into the weights where it lowers the int4 error
+        paths = {"w8a8": ("static",), "w8a8-dynamic": ("dynamic",),
+                 "w4a16": (f"w4a16:{options.group_size}",)}.get(options.weights, ("static", "dynamic"))
         done = smooth(tensors, stats, options.smooth_alpha, paths)
         chosen = sorted(set(done.values()))
         log.info("smoothed %d layers (alpha %s)", len(done),

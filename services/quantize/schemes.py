@@ -3,7 +3,8 @@ producer's convention:
 
     int8 per channel, symmetric:  s = max_k |w[n, k]| / divisor; q = clamp(round(w / s), -128, 127)
                                   divisor 127 (msModelSlim), 127.5 (compressed-tensors)
-    int4 per group, symmetric:    s = max over the group |w| / 7.5 (compressed-tensors);
+    int4 per group, symmetric:    s = max over the group |w| / 7.5 (compressed-tensors' range),
+                                  shrunk to the clip ratio with the least squared error;
                                   q = clamp(round(w / s), -8, 7)
     static activations (msModelSlim W8A8): [min, max] (widened to hold 0) onto -128..127:
                                   s_x = (max - min) / 255, offset = round(-128 - min / s_x)
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 TINY = 1e-12
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)    # int4 group scales tried (of max |w| / 7.5)
 
 
 def stored(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -28,11 +30,31 @@ def int8_per_channel(weight: torch.Tensor, divisor: float) -> tuple[torch.Tensor
     return torch.round(w / scale).clamp(-128, 127).to(torch.int8), scale
 
 
-def int4_per_group(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def int4_scale(groups: torch.Tensor, dtype: torch.dtype, clip: bool = True) -> torch.Tensor:
+    """The scale of each group of weights [..., group] (float64 [...], exact in dtype):
+    max |w| / 7.5, or with `clip` the one of CLIP_RATIOS * that whose codes reproduce the
+    group with the least squared error (a few large weights otherwise stretch the grid of
+    all the others; 16 levels leave little to waste)."""
+    full = (groups.abs().amax(dim=-1) / 7.5).clamp_min(TINY)
+    if not clip:
+        return stored(full, dtype)
+    best, best_err = None, None
+    for ratio in CLIP_RATIOS:
+        s = stored((full * ratio).clamp_min(TINY), dtype)
+        err = (groups - torch.round(groups / s.unsqueeze(-1)).clamp(-8, 7) * s.unsqueeze(-1)).square().sum(-1)
+        if best is None:
+            best, best_err = s, err
+        else:
+            better = err < best_err
+            best, best_err = torch.where(better, s, best), torch.where(better, err, best_err)
+    return best
+
+
+def int4_per_group(weight: torch.Tensor, group_size: int, clip: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 codes -8..7 [out, in], float64 scale [out, in / group_size], exact in weight's dtype)."""
     w = weight.double()
     groups = w.reshape(w.shape[0], -1, group_size)
-    scale = stored((groups.abs().amax(dim=-1) / 7.5).clamp_min(TINY), weight.dtype)
+    scale = int4_scale(groups, weight.dtype, clip)
     codes = torch.round(groups / scale.unsqueeze(-1)).clamp(-8, 7).reshape(w.shape)
     return codes.to(torch.int8), scale
 

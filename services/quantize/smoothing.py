@@ -36,19 +36,26 @@ def smoothing_factors(x_absmax: torch.Tensor, w_absmax: torch.Tensor, alpha: flo
 
 
 ALPHAS = tuple(round(0.3 + 0.05 * i, 2) for i in range(14))     # what "auto" tries: 0.3 .. 0.95
-PATHS = ("static", "dynamic")
+PATHS = ("static", "dynamic")      # W8A8's; "w4a16:G" is int4 weights in groups of G, float activations
 
 
 def w8a8_error(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, lo: float, hi: float, paths) -> float:
-    """Relative error of the W8A8 output (int8 weights per channel, divisor 127; activations
-    static per tensor over [lo, hi] / dynamic per token) on the sample rows x, both in float32,
-    with the smoothing factors s applied; summed over the paths ("static", "dynamic")."""
+    """Relative error of the quantized output (W8A8: int8 weights per channel, divisor 127;
+    activations static per tensor over [lo, hi] / dynamic per token; "w4a16:G": int4 weights
+    per group of G, float activations) on the sample rows x, both in float32, with the
+    smoothing factors s applied; summed over the paths."""
     exact = x @ w.t()
     xs, ws = x / s, w * s
     w_scale = (ws.abs().amax(1, keepdim=True) / 127).clamp_min(TINY)
     wq = torch.round(ws / w_scale).clamp(-128, 127) * w_scale
     total = 0.0
     for path in paths:
+        if path.startswith("w4a16:"):
+            groups = ws.reshape(ws.shape[0], -1, int(path.split(":")[1]))
+            g_scale = (groups.abs().amax(-1, keepdim=True) / 7.5).clamp_min(TINY)
+            w4 = (torch.round(groups / g_scale).clamp(-8, 7) * g_scale).reshape(ws.shape)
+            total += float(((xs @ w4.t() - exact).norm(dim=1) / exact.norm(dim=1).clamp_min(TINY)).mean())
+            continue
         if path == "static":
             s_x, off = static_activation(lo, hi)
             xq = (torch.round(xs / s_x + off).clamp(-128, 127) - off) * s_x
@@ -69,6 +76,8 @@ def choose_alpha(st: InputStats, w: torch.Tensor, w_absmax: torch.Tensor, paths)
     for alpha in ALPHAS:
         s = smoothing_factors(st.absmax, w_absmax, alpha)
         errors[alpha] = w8a8_error(x, w, s.float(), float((st.min / s).min()), float((st.max / s).max()), paths)
+    ones = torch.ones_like(st.absmax)
+    errors[0.0] = w8a8_error(x, w, ones.float(), float(st.min.min()), float(st.max.max()), paths)   # not smoothed
     return min(errors, key=errors.get)
 
 
@@ -77,7 +86,7 @@ def smooth(tensors: dict[str, torch.Tensor], stats: dict[str, InputStats], alpha
     """Rescale tensors (checkpoint name -> float tensor; replaced, not mutated) and stats in
     place. alpha: one strength for every layer, or "auto": per layer, the strength in ALPHAS
     with the least W8A8 output error over `paths` on the stats' samples (calibrate with
-    samples). Returns Linear name -> the strength used."""
+    samples; 0 there means not smoothed). Returns Linear name -> the strength used."""
     done: dict[str, float] = {}
     for name, st in stats.items():
         into = next((template.format(m.group(1)) for pattern, template in SMOOTHED.items()
@@ -93,7 +102,7 @@ def smooth(tensors: dict[str, torch.Tensor], stats: dict[str, InputStats], alpha
             strength = choose_alpha(st, fused, w_absmax, paths)
         else:
             strength = float(alpha)
-        s = smoothing_factors(st.absmax, w_absmax, strength)
+        s = smoothing_factors(st.absmax, w_absmax, strength) if strength else torch.ones_like(st.absmax)
         if into.endswith("layernorm.weight"):
             tensors[into] = (tensors[into].double() / s).to(tensors[into].dtype)
         else:   # a producer's output rows

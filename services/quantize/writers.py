@@ -42,7 +42,7 @@ class CompressedTensorsWriter:
             out[name + ".weight"], out[name + ".weight_scale"] = codes, scale.to(weight.dtype)
         else:
             if codes is None:
-                codes, scale = int4_per_group(weight, self.group_size)
+                codes, scale = int4_per_group(weight, self.group_size, clip=False)   # plain RTN: the baseline
             out[name + ".weight_packed"] = pack_int4(codes)
             out[name + ".weight_scale"] = scale.to(weight.dtype)
             out[name + ".weight_shape"] = torch.tensor(weight.shape, dtype=torch.int64)

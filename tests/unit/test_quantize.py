@@ -92,14 +92,14 @@ def test_w4a16_files_decompress_with_compressed_tensors(float_model, tmp_path):
     from compressed_tensors.compressors import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationConfig
     out = quantize_model(float_model, tmp_path / "q", prompts(), QuantizeOptions("w4a16", "compressed-tensors",
-                                                                                 group_size=32))
+                                                                                 smooth_alpha=None, group_size=32))
     config = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
     tensors, floats = load_file(out / "model.safetensors"), load_file(float_model / "model.safetensors")
     name = "model.layers.1.mlp.down_proj."
     got = PackedQuantizationCompressor.decompress(
         {k: tensors[name + k] for k in ("weight_packed", "weight_scale", "weight_shape")},
         config.config_groups["group_0"])["weight"]
-    codes, scale = int4_per_group(floats[name + "weight"], 32)
+    codes, scale = int4_per_group(floats[name + "weight"], 32, clip=False)
     assert torch.equal(got, codes.float() * scale.float().repeat_interleave(32, 1))   # the file's float32 scale
 
 
@@ -178,7 +178,7 @@ def test_gptq_beats_round_to_nearest_on_its_objective(float_model):
             w = tensors[name + ".weight"].double()
             for method in totals:
                 codes, scale = (gptq_int4(w, st.xtx, st.num_tokens, 32) if method == "gptq"
-                                else int4_per_group(w, 32))
+                                else int4_per_group(w, 32, clip=False))
                 d = w - codes.double() * scale.repeat_interleave(32, 1)
                 totals[method] += float(torch.einsum("ni,ij,nj->", d, st.xtx, d))
     assert totals["gptq"] < 0.8 * totals["rtn"], totals
@@ -275,3 +275,15 @@ def test_c8_scales_come_from_what_each_layer_writes_into_its_cache(float_model, 
         assert llm.engine.kv_cache.dtype == torch.int8
         # on text in the calibration's range (a calibration prompt) int8 KV costs little (0.14 on unrelated ids)
         assert kl(fp.prompt_logprobs_full(ps[0]).double(), llm.prompt_logprobs_full(ps[0]).double()) < 1e-2
+
+
+def test_int4_clip_search_never_reproduces_a_group_worse_than_the_full_range():
+    from services.quantize.schemes import int4_scale
+    g = torch.Generator().manual_seed(0)
+    groups = torch.randn(64, 8, 32, generator=g, dtype=torch.float64)
+    groups[:, :, 0] *= 6        # one large weight per group stretches the full-range grid
+
+    def error(scale):
+        return (groups - torch.round(groups / scale.unsqueeze(-1)).clamp(-8, 7) * scale.unsqueeze(-1)).square().sum(-1)
+    full, clipped = error(int4_scale(groups, torch.float32, clip=False)), error(int4_scale(groups, torch.float32))
+    assert bool((clipped <= full).all()) and float(clipped.sum()) < 0.9 * float(full.sum())
