@@ -8,6 +8,7 @@ contiguous), so that a run of blocks is a single byte range.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 
 from protos.pdmesh.v1 import common_pb2
@@ -16,6 +17,7 @@ ITEMSIZE = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
     "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1,
 }
+SCALES_ID = re.compile(r"c8:[0-9a-f]{16}")      # formats/msmodelslim.py kv_scales_id
 MUST_MATCH = ("dtype", "scales_id", "num_layers", "block_size", "num_kv_heads", "head_dim")
 
 
@@ -34,6 +36,8 @@ class KVLayout:
     def __post_init__(self) -> None:
         if self.dtype not in ITEMSIZE:
             raise ValueError(f"dtype {self.dtype!r} not supported; allowed: {sorted(ITEMSIZE)}")
+        if self.scales_id and not SCALES_ID.fullmatch(self.scales_id):
+            raise ValueError("scales_id must be empty or 'c8:' and 16 hex digits")
         for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

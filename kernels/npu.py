@@ -94,6 +94,7 @@ class NpuBackend(Backend):
         self._masks: dict[torch.device, torch.Tensor] = {}
         self._slots_cache: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         self._static_inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._antiquant_args: dict[tuple, tuple[KVCacheScales, dict]] = {}
 
     def supported_block_sizes(self) -> list[int] | None:
         return [BLOCK_SIZE]
@@ -134,8 +135,7 @@ class NpuBackend(Backend):
         return mask
 
     def _attention(self, query, k_cache, v_cache, block_tables, q_ends: list[int],
-                   kv_lens: list[int], scale: float, causal: bool,
-                   kv_scales: KVCacheScales | None = None) -> torch.Tensor:
+                   kv_lens: list[int], scale: float, causal: bool) -> torch.Tensor:
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
         if block_size != BLOCK_SIZE:
             raise ValueError(f"npu attention needs caches of block_size {BLOCK_SIZE}, got {block_size}")
@@ -184,23 +184,33 @@ class NpuBackend(Backend):
         if block_size != BLOCK_SIZE:
             raise ValueError(f"npu attention needs caches of block_size {BLOCK_SIZE}, got {block_size}")
         seqs, heads = query.shape[0], query.shape[1]
-
-        def channels(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape(1, num_kv_heads * head_dim).to(query.dtype).contiguous()
-
-        def offset(t: torch.Tensor) -> torch.Tensor | None:
-            return channels(-t) if bool(t.any()) else None
-
         out, _ = self._npu.npu_fused_infer_attention_score(
             query.reshape(seqs, 1, heads * head_dim).contiguous(),
             k_cache.view(num_blocks, block_size, num_kv_heads * head_dim),
             v_cache.view(num_blocks, block_size, num_kv_heads * head_dim),
             block_table=meta.block_tables.to(torch.int32).contiguous(), input_layout="BSH", block_size=block_size,
             actual_seq_lengths_kv=list(meta.seq_lens_list), num_heads=heads, num_key_value_heads=num_kv_heads,
-            key_antiquant_scale=channels(kv_scales.k_scale), key_antiquant_offset=offset(kv_scales.k_offset),
-            value_antiquant_scale=channels(kv_scales.v_scale), value_antiquant_offset=offset(kv_scales.v_offset),
-            key_antiquant_mode=0, value_antiquant_mode=0, inner_precise=0, **{self._scale_kw: float(scale)})
+            key_antiquant_mode=0, value_antiquant_mode=0, inner_precise=0, **self._antiquant(kv_scales, query.dtype),
+            **{self._scale_kw: float(scale)})
         return out.view(seqs, heads, head_dim)
+
+    def _antiquant(self, kv_scales: KVCacheScales, dtype: torch.dtype) -> dict:
+        """FIA's antiquant arguments for a layer's scales, made once per layer and dtype (no
+        host sync or cast in the step after the first)."""
+        key = (id(kv_scales), dtype)
+        cached = self._antiquant_args.get(key)
+        if cached is None or cached[0] is not kv_scales:
+            def channels(t: torch.Tensor) -> torch.Tensor:
+                return t.reshape(1, -1).to(dtype).contiguous()
+
+            def offset(t: torch.Tensor) -> torch.Tensor | None:
+                return channels(-t) if bool(t.any()) else None
+
+            cached = (kv_scales, dict(
+                key_antiquant_scale=channels(kv_scales.k_scale), key_antiquant_offset=offset(kv_scales.k_offset),
+                value_antiquant_scale=channels(kv_scales.v_scale), value_antiquant_offset=offset(kv_scales.v_offset)))
+            self._antiquant_args[key] = cached
+        return cached[1]
 
     # quantized linears (vllm-ascend's calls): W8A8 dynamic npu_dynamic_quant + npu_quant_matmul
     # with pertoken_scale; W8A8 static npu_quantize (x * 1/scale + offset) + npu_quant_matmul

@@ -4,9 +4,10 @@ msModelSlim folder, and a float64 reference of the C8 math on float weights.
     <layer>.self_attn.{k,v}_proj.kv_cache_scale / kv_cache_offset   float32 [kv_heads * head_dim]
     description: those names typed "C8", "kv_cache_type": "C8"
 
-Keys are scaled symmetrically (offset 0) from a bound on the rotated key (a rotary pair
-never leaves the circle of its two channels); values asymmetrically from their min/max (a
-nonzero offset, so the read rule's offset is exercised).
+Keys are scaled from a bound on the rotated key (a rotary pair never leaves the circle of
+its two channels), over [-bound, 1.1 bound] so that their offsets are nonzero too (the
+key offset is the one attention drops: a constant per query row); values asymmetrically
+from their min/max.
 """
 from __future__ import annotations
 
@@ -50,16 +51,20 @@ def kv_ranges(float_dir: Path, prompts: list[list[int]]) -> dict[int, dict[str, 
     return seen
 
 
+def asymmetric(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, offset) float32 per channel mapping [lo, hi] onto -128..127."""
+    scale = ((hi - lo) / 255).clamp_min(1e-6)
+    return scale.float(), torch.round(-128 - lo / scale).clamp(-128, 127).float()
+
+
 def c8_tensors(ranges: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for i, s in ranges.items():
         p = f"model.layers.{i}.self_attn."
-        k_scale = (s["k_bound"] / 127).clamp_min(1e-6)
-        lo, hi = s["v_min"].clamp(max=0), s["v_max"].clamp(min=0)
-        v_scale = ((hi - lo) / 255).clamp_min(1e-6)
-        v_offset = torch.round(-128 - lo / v_scale).clamp(-128, 127)
-        out.update({p + "k_proj.kv_cache_scale": k_scale.float(), p + "k_proj.kv_cache_offset": torch.zeros_like(k_scale).float(),
-                    p + "v_proj.kv_cache_scale": v_scale.float(), p + "v_proj.kv_cache_offset": v_offset.float()})
+        k_scale, k_offset = asymmetric(-s["k_bound"], 1.1 * s["k_bound"])
+        v_scale, v_offset = asymmetric(s["v_min"].clamp(max=0), s["v_max"].clamp(min=0))
+        out.update({p + "k_proj.kv_cache_scale": k_scale, p + "k_proj.kv_cache_offset": k_offset,
+                    p + "v_proj.kv_cache_scale": v_scale, p + "v_proj.kv_cache_offset": v_offset})
     return out
 
 

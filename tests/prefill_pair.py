@@ -37,7 +37,7 @@ def _registered(engine: LLMEngine) -> tuple[FakeTransfer, KVLayout]:
     transfer = FakeTransfer()
     kv = engine.kv_cache
     transfer.register(kv.data_ptr(), kv.numel() * kv.element_size())
-    return transfer, KVLayout.of_tensor(kv)
+    return transfer, KVLayout.of_tensor(kv, engine.kv_scales_id)
 
 
 class PrefillPair:

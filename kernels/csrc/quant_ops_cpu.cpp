@@ -73,6 +73,9 @@ torch::Tensor dequant_rows(torch::Tensor acc, torch::Tensor col_scale, c10::opti
   TORCH_CHECK(acc.device().is_cpu() && acc.dim() == 2 && acc.is_contiguous() && acc.scalar_type() == torch::kInt32,
               "acc must be a contiguous CPU int32 matrix [rows, out]");
   const int64_t rows = acc.size(0), n = acc.size(1);
+  TORCH_CHECK(col_scale.device().is_cpu() && (!row_scale || row_scale->device().is_cpu()) &&
+                  (!int_bias || int_bias->device().is_cpu()) && (!bias || bias->device().is_cpu()),
+              "col_scale, row_scale, int_bias and bias must be CPU tensors");
   TORCH_CHECK(col_scale.scalar_type() == torch::kFloat32 && col_scale.is_contiguous() && col_scale.numel() == n,
               "col_scale must be contiguous float32 with one value per output (", n, ")");
   if (row_scale)

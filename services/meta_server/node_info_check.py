@@ -10,7 +10,7 @@ MAX_FIELD_CHARS = 256     # address, model_id, transfer endpoint, instance_id
 TRANSFER_BACKENDS = ("mooncake", "grpc", "fake")
 MAX_TENSOR_PARALLEL = 64
 # what every rank of a node has alike (each its own heads and addresses)
-RANK_SHARED_FIELDS = ("dtype", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim")
+RANK_SHARED_FIELDS = ("dtype", "scales_id", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim")
 
 
 def node_info_error(node) -> str:

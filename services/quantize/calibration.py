@@ -77,7 +77,8 @@ def calibrate(model_dir: str | Path, prompts: list[list[int]], hessian: bool = F
               num_blocks=2 * (longest // 16 + 2), max_num_seqs=1)
     stats: dict[str, InputStats] = {}
     if kv is not None:
-        _record_kv(llm.engine.backend, len(llm.engine.model.layers), kv)
+        model = llm.engine.model
+        model.backend = KVRecorder(model.backend, len(model.layers), kv)   # this model's alone
     try:
         for name, linear in llm.engine.model.linears():
             width = linear.in_features
@@ -138,17 +139,21 @@ def calibration_prompts(model_dir: str | Path, path: str | Path, num_prompts: in
     return prompts
 
 
-def _record_kv(backend, num_layers: int, kv: dict[int, dict[str, torch.Tensor]]) -> None:
-    """Wrap this (calibration-only) backend's write_kv: the model calls it once a layer, in
-    layer order, with the keys after rotary and the values, as they enter the cache."""
-    write, calls = backend.write_kv, [0]
+class KVRecorder:
+    """The backend as one model sees it, with write_kv recording: the model calls it once a
+    layer, in layer order, with the keys after rotary and the values as they enter the
+    cache. Everything else is the backend's (which other engines share: it is not patched)."""
 
-    def recording(key, value, k_cache, v_cache, slot_mapping):
-        layer = kv.setdefault(calls[0] % num_layers, {})
-        calls[0] += 1
+    def __init__(self, backend, num_layers: int, kv: dict[int, dict[str, torch.Tensor]]):
+        self._backend, self._num_layers, self._kv, self._calls = backend, num_layers, kv, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._backend, name)
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping):
+        layer = self._kv.setdefault(self._calls % self._num_layers, {})
+        self._calls += 1
         for name, x in (("k", key), ("v", value)):
             amax = x.detach().double().abs().reshape(x.shape[0], -1).amax(0)
             layer[name] = torch.maximum(layer[name], amax) if name in layer else amax
-        return write(key, value, k_cache, v_cache, slot_mapping)
-
-    backend.write_kv = recording
+        return self._backend.write_kv(key, value, k_cache, v_cache, slot_mapping)

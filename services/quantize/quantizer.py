@@ -107,10 +107,11 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, prompts: list[lis
         paths = {"w8a8": ("static",), "w8a8-dynamic": ("dynamic",),
                  "w4a16": (f"w4a16:{options.group_size}",)}.get(options.weights, ("static", "dynamic"))
         done = smooth(tensors, stats, options.smooth_alpha, paths)
-        chosen = sorted(set(done.values()))
-        log.info("smoothed %d layers (alpha %s)", len(done),
+        chosen = sorted(a for a in done.values() if a is not None)
+        log.info("smoothed %d of %d layers (alpha %s)", len(chosen), len(done),
                  options.smooth_alpha if options.smooth_alpha != "auto" else
-                 f"per layer, least {'+'.join(paths)} error on the calibration sample: {chosen[0]}..{chosen[-1]}")
+                 f"per layer, least {'+'.join(paths)} error on the calibration sample: "
+                 + (f"{chosen[0]}..{chosen[-1]}" if chosen else "none better than unsmoothed"))
     out: dict[str, torch.Tensor] = {}
     for i, st in enumerate(stats.values(), 1):
         for name in st.projections:

@@ -68,8 +68,9 @@ def w8a8_error(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, lo: float, hi:
     return total
 
 
-def choose_alpha(st: InputStats, w: torch.Tensor, w_absmax: torch.Tensor, paths) -> float:
-    """The migration strength in ALPHAS whose W8A8 error on the calibration sample is least."""
+def choose_alpha(st: InputStats, w: torch.Tensor, w_absmax: torch.Tensor, paths) -> float | None:
+    """The migration strength in ALPHAS whose quantized-output error on the calibration
+    sample is least, or None when leaving the layer unsmoothed is better still."""
     x = st.samples.float()
     w = w.float()
     errors = {}
@@ -77,17 +78,17 @@ def choose_alpha(st: InputStats, w: torch.Tensor, w_absmax: torch.Tensor, paths)
         s = smoothing_factors(st.absmax, w_absmax, alpha)
         errors[alpha] = w8a8_error(x, w, s.float(), float((st.min / s).min()), float((st.max / s).max()), paths)
     ones = torch.ones_like(st.absmax)
-    errors[0.0] = w8a8_error(x, w, ones.float(), float(st.min.min()), float(st.max.max()), paths)   # not smoothed
+    errors[None] = w8a8_error(x, w, ones.float(), float(st.min.min()), float(st.max.max()), paths)   # not smoothed
     return min(errors, key=errors.get)
 
 
 def smooth(tensors: dict[str, torch.Tensor], stats: dict[str, InputStats], alpha: float | str,
-           paths: tuple[str, ...] = PATHS) -> dict[str, float]:
+           paths: tuple[str, ...] = PATHS) -> dict[str, float | None]:
     """Rescale tensors (checkpoint name -> float tensor; replaced, not mutated) and stats in
     place. alpha: one strength for every layer, or "auto": per layer, the strength in ALPHAS
     with the least W8A8 output error over `paths` on the stats' samples (calibrate with
-    samples; 0 there means not smoothed). Returns Linear name -> the strength used."""
-    done: dict[str, float] = {}
+    samples, or none). Returns Linear name -> the strength used (None: left unsmoothed)."""
+    done: dict[str, float | None] = {}
     for name, st in stats.items():
         into = next((template.format(m.group(1)) for pattern, template in SMOOTHED.items()
                      if (m := pattern.fullmatch(name))), None)
@@ -102,10 +103,15 @@ def smooth(tensors: dict[str, torch.Tensor], stats: dict[str, InputStats], alpha
             strength = choose_alpha(st, fused, w_absmax, paths)
         else:
             strength = float(alpha)
-        s = smoothing_factors(st.absmax, w_absmax, strength) if strength else torch.ones_like(st.absmax)
+        if strength is None:
+            done[name] = None
+            continue
+        s = smoothing_factors(st.absmax, w_absmax, strength)
         if into.endswith("layernorm.weight"):
             tensors[into] = (tensors[into].double() / s).to(tensors[into].dtype)
         else:   # a producer's output rows
+            if into not in tensors:
+                raise ValueError(f"smoothing {name} folds 1/s into {into}, which the checkpoint lacks")
             for tensor in (into, into.removesuffix("weight") + "bias"):
                 if tensor in tensors:
                     shape = (-1,) + (1,) * (tensors[tensor].dim() - 1)

@@ -6,6 +6,7 @@ cache, the layout key and the block hashes say int8 and which scales; bad scales
 refused at load naming the tensor."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -161,6 +162,9 @@ def test_c8_cache_is_int8_and_its_layout_names_the_scales(c8_model, float_model,
         assert c8.engine.kv_scales_id.startswith("c8:") and fp.engine.kv_scales_id == ""
         assert c8.engine.layout.startswith("int8:") and c8.engine.layout.endswith(c8.engine.kv_scales_id)
         assert KVLayout.from_proto(layout.to_proto()) == layout
+        for bogus in ("c8:1234", "x:O4", "c8:" + "g" * 16):     # a peer's field, echoed in errors and keys
+            with pytest.raises(ValueError, match="scales_id must be empty or 'c8:' and 16 hex digits"):
+                dataclasses.replace(layout, scales_id=bogus)
         # greedy tokens through decode steps over the int8 cache: the same on ref, cpu and npu
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         got = c8.generate({"prompt_token_ids": IDS}, params)[0].outputs[0].token_ids

@@ -248,6 +248,9 @@ def test_auto_smoothing_picks_each_layers_least_error_strength(outlier_model):
             s = smoothing_factors(st.absmax, w_absmax, alpha)
             errors[alpha] = w8a8_error(st.samples.float(), w.float(), s.float(), float((st.min / s).min()),
                                        float((st.max / s).max()), ("static",))
+        ones = torch.ones_like(st.absmax).float()
+        errors[None] = w8a8_error(st.samples.float(), w.float(), ones, float(st.min.min()), float(st.max.max()),
+                                  ("static",))
         assert choose_alpha(st, w, w_absmax, ("static",)) == min(errors, key=errors.get)
         assert len(set(errors.values())) > 1
 
