@@ -4,8 +4,6 @@ on the strided views a fused qkv matmul gives, the KV write (slots of -1 skipped
 dtype; batches on one thread and spread over threads; what each refuses."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,12 +20,8 @@ ROWS = [1, 3, 40]     # 40 rows: several tasks of the op's 16-row grain
 
 
 @pytest.fixture(scope="module")
-def backend() -> CpuBackend:
-    backend = CpuBackend("cpu")
-    if os.environ.get("PDMESH_CPU_EXTENSION") == "0":
-        pytest.skip("the C++ kernels are off")
-    assert backend.extension is not None, "kernels/cpu_extension.py could not build the C++ kernels"
-    return backend
+def backend(cpu_extension_backend) -> CpuBackend:
+    return cpu_extension_backend
 
 
 def _randn(*shape, dtype=torch.float32, seed=0):

@@ -4,8 +4,6 @@ all-zero row, every dtype, rows over threads), the int32 accumulator back to flo
 every combination of scales and biases, and what each refuses."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -17,12 +15,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(scope="module")
-def backend() -> CpuBackend:
-    backend = CpuBackend("cpu")
-    if os.environ.get("PDMESH_CPU_EXTENSION") == "0":
-        pytest.skip("the C++ kernels are off")
-    assert backend.extension is not None, "kernels/cpu_extension.py could not build the C++ kernels"
-    return backend
+def backend(cpu_extension_backend) -> CpuBackend:
+    return cpu_extension_backend
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
