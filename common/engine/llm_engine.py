@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ContextManager
 
@@ -57,6 +56,7 @@ from common.engine.sampling_params import SamplingParams
 from common.engine.lifecycle import RequestState
 from common.engine.scheduler import Scheduler
 from common.engine.sequence import Sequence
+from common.engine.step_output import StepOutput
 from common.engine.validation import validate_request, validate_resume_position
 from common.hashing import layout_key
 from common.kv_layout import KVLayout
@@ -67,22 +67,6 @@ from common.runner.model_runner import ModelRunner, load_rank
 from kernels import get_backend
 
 log = logging.getLogger("pdmesh.engine")
-
-@dataclass
-class StepOutput:
-    """New tokens of one request from one step."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    new_logprobs: list[dict[int, float]] | None = None
-    queue_s: float = 0.0                 # arrival to first admission
-    # on the first output of a request with prompt_logprobs: one entry per prompt position,
-    # None at 0, then {actual token: logprob, top tokens...}
-    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class LLMEngine:
@@ -156,7 +140,8 @@ class LLMEngine:
         self.runner = StepRunner(ModelRunner(self.model, self.kv_cache, self.block_size), tp=self.tp)
         self.runner.on_prompt_logits = self._prompt_logits
         self.generator = torch.Generator().manual_seed(config.seed)
-        self.tokenizer = self._load_tokenizer(config.model)
+        from common.model.tokenizer import tokenizer_or_none   # tokenizers loads with an engine only
+        self.tokenizer = tokenizer_or_none(config.model)
         self.eos_token_ids = set(mcfg.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.vocab_size = mcfg.vocab_size
         self._arrivals = 0
@@ -175,15 +160,6 @@ class LLMEngine:
         thread (else they are killed)."""
         if getattr(self, "tp", None) is not None:
             self.tp.close(graceful)
-
-    @staticmethod
-    def _load_tokenizer(model_dir: str):
-        """The folder's tokenizer, or None when it has no tokenizer.json (ids-only use)."""
-        from common.model.tokenizer import Tokenizer
-        try:
-            return Tokenizer.from_dir(model_dir)
-        except (FileNotFoundError, ValueError):
-            return None
 
     # ---- requests -----------------------------------------------------------------
     def validate_request(self, request_id: str, prompt_token_ids: list[int],

@@ -182,3 +182,11 @@ def _id_list(value: object) -> list[int]:
     if isinstance(value, int):
         return [value]
     return [int(v) for v in value]  # type: ignore[union-attr]
+
+
+def tokenizer_or_none(model_dir: str | Path) -> Tokenizer | None:
+    """The folder's tokenizer, or None when it has none (an engine used with token ids only)."""
+    try:
+        return Tokenizer.from_dir(model_dir)
+    except (FileNotFoundError, ValueError):
+        return None
