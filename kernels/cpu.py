@@ -104,8 +104,7 @@ class CpuBackend(RefBackend):
     def quantize_per_token(self, x, divisor: float):
         if self.extension is None or x.dim() != 2 or x.stride(1) != 1:
             return super().quantize_per_token(x, divisor)
-        q, scale = self.extension.quantize_per_token(x, divisor)
-        return q, scale
+        return tuple(self.extension.quantize_per_token(x, divisor))
 
     def int8_scaled_matmul(self, x_q, weight, scale, row_scale=None, int_bias=None, bias=None,
                            out_dtype=torch.float32):

@@ -197,9 +197,9 @@ class NpuBackend(Backend):
     def _antiquant(self, kv_scales: KVCacheScales, dtype: torch.dtype) -> dict:
         """FIA's antiquant arguments for a layer's scales, made once per layer and dtype (no
         host sync or cast in the step after the first)."""
-        key = (id(kv_scales), dtype)
+        key = (id(kv_scales), dtype)      # the entry holds kv_scales: its id stays its own
         cached = self._antiquant_args.get(key)
-        if cached is None or cached[0] is not kv_scales:
+        if cached is None:
             def channels(t: torch.Tensor) -> torch.Tensor:
                 return t.reshape(1, -1).to(dtype).contiguous()
 

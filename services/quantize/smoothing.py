@@ -39,7 +39,7 @@ ALPHAS = tuple(round(0.3 + 0.05 * i, 2) for i in range(14))     # what "auto" tr
 PATHS = ("static", "dynamic")      # W8A8's; "w4a16:G" is int4 weights in groups of G, float activations
 
 
-def w8a8_error(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, lo: float, hi: float, paths) -> float:
+def quantized_output_error(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, lo: float, hi: float, paths) -> float:
     """Relative error of the quantized output (W8A8: int8 weights per channel, divisor 127;
     activations static per tensor over [lo, hi] / dynamic per token; "w4a16:G": int4 weights
     per group of G, float activations) on the sample rows x, both in float32, with the
@@ -76,9 +76,9 @@ def choose_alpha(st: InputStats, w: torch.Tensor, w_absmax: torch.Tensor, paths)
     errors = {}
     for alpha in ALPHAS:
         s = smoothing_factors(st.absmax, w_absmax, alpha)
-        errors[alpha] = w8a8_error(x, w, s.float(), float((st.min / s).min()), float((st.max / s).max()), paths)
+        errors[alpha] = quantized_output_error(x, w, s.float(), float((st.min / s).min()), float((st.max / s).max()), paths)
     ones = torch.ones_like(st.absmax)
-    errors[None] = w8a8_error(x, w, ones.float(), float(st.min.min()), float(st.max.max()), paths)   # not smoothed
+    errors[None] = quantized_output_error(x, w, ones.float(), float(st.min.min()), float(st.max.max()), paths)   # not smoothed
     return min(errors, key=errors.get)
 
 

@@ -140,7 +140,7 @@ def test_smoothing_keeps_the_float_function(outlier_model):
     assert kl(logprobs(outlier_model), logprobs(moved)) < 1e-6     # float32 rounding (W8A8 costs ~1e-2)
 
 
-def test_smoothing_lowers_the_w8a8_error_of_a_layer_with_outlier_inputs(outlier_model):
+def test_smoothing_lowers_the_quantized_output_error_of_a_layer_with_outlier_inputs(outlier_model):
     """Layer 0's q/k/v on the inputs the outlier model feeds it: the W8A8 (per-token int8
     activations, per-channel int8 weights) output error, relative to the float output,
     without and with SmoothQuant's alpha 0.5."""
@@ -156,7 +156,7 @@ def test_smoothing_lowers_the_w8a8_error_of_a_layer_with_outlier_inputs(outlier_
     w = torch.cat([tensors[f"model.layers.0.self_attn.{p}_proj.weight"].double() for p in "qkv"])
     exact = x @ w.t()
 
-    def w8a8_error(x: torch.Tensor, w: torch.Tensor) -> float:
+    def quantized_output_error(x: torch.Tensor, w: torch.Tensor) -> float:
         codes, scale = int8_per_channel(w, 127.5)
         amax = x.abs().amax(-1, keepdim=True)
         s = amax / 127.5
@@ -164,7 +164,7 @@ def test_smoothing_lowers_the_w8a8_error_of_a_layer_with_outlier_inputs(outlier_
         return float((y - exact).norm() / exact.norm())
 
     s = smoothing_factors(x.abs().amax(0), w.abs().amax(0), 0.5)
-    plain, smoothed = w8a8_error(x, w), w8a8_error(x / s, w * s)
+    plain, smoothed = quantized_output_error(x, w), quantized_output_error(x / s, w * s)
     assert smoothed < 0.5 * plain, (plain, smoothed)
 
 
@@ -234,7 +234,7 @@ def test_a_group_size_that_does_not_divide_the_inputs_is_refused_before_calibrat
 def test_auto_smoothing_picks_each_layers_least_error_strength(outlier_model):
     """"auto": per layer, the strength whose W8A8 output error on the calibration sample is
     least (every candidate computed here), and the sample is the same on every run."""
-    from services.quantize.smoothing import ALPHAS, choose_alpha, smoothing_factors, w8a8_error
+    from services.quantize.smoothing import ALPHAS, choose_alpha, smoothing_factors, quantized_output_error
     stats = calibrate(outlier_model, prompts(), samples=64)
     again = calibrate(outlier_model, prompts(), samples=64)
     tensors = load_file(outlier_model / "model.safetensors")
@@ -246,10 +246,10 @@ def test_auto_smoothing_picks_each_layers_least_error_strength(outlier_model):
         errors = {}
         for alpha in ALPHAS:
             s = smoothing_factors(st.absmax, w_absmax, alpha)
-            errors[alpha] = w8a8_error(st.samples.float(), w.float(), s.float(), float((st.min / s).min()),
+            errors[alpha] = quantized_output_error(st.samples.float(), w.float(), s.float(), float((st.min / s).min()),
                                        float((st.max / s).max()), ("static",))
         ones = torch.ones_like(st.absmax).float()
-        errors[None] = w8a8_error(st.samples.float(), w.float(), ones, float(st.min.min()), float(st.max.max()),
+        errors[None] = quantized_output_error(st.samples.float(), w.float(), ones, float(st.min.min()), float(st.max.max()),
                                   ("static",))
         assert choose_alpha(st, w, w_absmax, ("static",)) == min(errors, key=errors.get)
         assert len(set(errors.values())) > 1
