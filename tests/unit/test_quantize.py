@@ -290,3 +290,14 @@ def test_int4_clip_search_never_reproduces_a_group_worse_than_the_full_range():
         return (groups - torch.round(groups / scale.unsqueeze(-1)).clamp(-8, 7) * scale.unsqueeze(-1)).square().sum(-1)
     full, clipped = error(int4_scale(groups, torch.float32, clip=False)), error(int4_scale(groups, torch.float32))
     assert bool((clipped <= full).all()) and float(clipped.sum()) < 0.9 * float(full.sum())
+
+
+def test_c8_calibration_leaves_the_shared_backend_as_it_was(float_model, tmp_path):
+    """Recording the KV ranges must not patch the backend instance every later engine of
+    the process shares (it once replaced its write_kv for good)."""
+    from kernels import get_backend
+    from services.quantize.calibration import calibration_prompts
+    shared = get_backend("ref", "cpu")
+    ps = calibration_prompts(float_model, "/usr/share/common-licenses/GPL-3", 1, 32)
+    quantize_model(float_model, tmp_path / "c8", ps, QuantizeOptions("c8", "modelslim"))
+    assert "write_kv" not in vars(shared) and get_backend("ref", "cpu") is shared
