@@ -6,8 +6,10 @@ agreement / KL against the float model, per scheme.
     python bench/quantize_accuracy.py [--model smollm2] [--schemes w8a8-dynamic:compressed-tensors,...]
         [--max-tokens 0] [--out bench/results/quantize_accuracy.json]
 
-A scheme is SCHEME:FORMAT[:rtn|gptq][:nosmooth]. The JSON holds every run's ppl, its
-change against the float model's, agreement and KL, the commands and seconds.
+A scheme is SCHEME:FORMAT[:rtn|gptq][:nosmooth][:int8-head] (int8-head: evaluated with
+`--lm-head-quantization int8`; `float:-:int8-head` is the float model with only that). The
+JSON holds every run's ppl, its change against the float model's, agreement and KL, the
+commands and seconds.
 """
 from __future__ import annotations
 
@@ -37,10 +39,10 @@ def run(argv: list[str]) -> None:
         raise SystemExit(f"pdmesh {' '.join(argv)} exited {code}")
 
 
-def evaluate(model: Path, reference: Path | None, args, work: Path) -> dict:
+def evaluate(model: Path, reference: Path | None, args, work: Path, head: str = "none") -> dict:
     out: dict = {}
     ppl_json = work / "ppl.json"
-    argv = ["eval", "--model", str(model), "--text", "gpl-3", "--json", str(ppl_json)]
+    argv = ["eval", "--model", str(model), "--text", "gpl-3", "--json", str(ppl_json), "--lm-head-quantization", head]
     if args.max_tokens:
         argv += ["--max-tokens", str(args.max_tokens)]
     run(argv)
@@ -48,7 +50,7 @@ def evaluate(model: Path, reference: Path | None, args, work: Path) -> dict:
     if reference is not None:
         agree_json = work / "agreement.json"
         run(["eval", "--model", str(model), "--reference", str(reference), "--num-prompts", str(args.num_prompts),
-             "--json", str(agree_json)])
+             "--json", str(agree_json), "--lm-head-quantization", head])
         out["agreement"] = json.loads(agree_json.read_text())
     return out
 
@@ -81,17 +83,21 @@ def main() -> int:
         base_ppl = base["perplexity"]["ppl"]
         for spec in args.schemes.split(","):
             scheme, fmt, *rest = spec.split(":")
-            method = next((r for r in rest if r in ("rtn", "gptq")), "rtn")
-            argv = ["quantize", str(model), "--scheme", scheme, "--format", fmt, "--calib", args.calib,
-                    "--out", str(work / "q"), "--method", method, "--group-size", str(args.group_size)]
-            if "nosmooth" in rest:
-                argv.append("--no-smooth")
-            start = time.perf_counter()
-            run(argv)
-            quantized = time.perf_counter() - start
-            result = evaluate(work / "q", model, args, work)
+            head = "int8" if "int8-head" in rest else "none"
+            if scheme == "float":
+                argv, quantized, folder = [], 0.0, model
+            else:
+                method = next((r for r in rest if r in ("rtn", "gptq")), "rtn")
+                argv = ["quantize", str(model), "--scheme", scheme, "--format", fmt, "--calib", args.calib,
+                        "--out", str(work / "q"), "--method", method, "--group-size", str(args.group_size)]
+                if "nosmooth" in rest:
+                    argv.append("--no-smooth")
+                start = time.perf_counter()
+                run(argv)
+                quantized, folder = time.perf_counter() - start, work / "q"
+            result = evaluate(folder, model, args, work, head)
             ppl = result["perplexity"]["ppl"]
-            report["runs"].append({"scheme": spec, "quantize_command": "pdmesh " + " ".join(argv),
+            report["runs"].append({"scheme": spec, "quantize_command": "pdmesh " + " ".join(argv) if argv else "",
                                    "quantize_seconds": quantized, **result, "ppl": ppl,
                                    "ppl_change": ppl / base_ppl - 1})
             print(f"{spec:48s} ppl {ppl:.4f} ({100 * (ppl / base_ppl - 1):+.2f}% vs float {base_ppl:.4f})")

@@ -1,16 +1,18 @@
 """What each quantization scheme does to a CPU decode step and to the weights' memory, on
 SmolLM2-135M-Instruct: float32, bfloat16, and the checkpoints `pdmesh quantize` writes
-(W8A8 dynamic, W8A8 static, W4A16, C8), all on the cpu backend in one process, the decode
+(W8A8 dynamic, W8A8 static, W4A16, C8; the W8A8 ones also with `engine.lm_head_quantization:
+int8`), all on the cpu backend in one process, the decode
 step timed round by round in turn (so drift hits every scheme alike), ratios against
 float32 per round and their median.
 
     python bench/quantize_speed.py [--model smollm2] [--batches 1,8] [--steps 48] [--rounds 3]
-        [--out bench/results/quantize_speed.json]
+        [--schemes float32,w8a8-dynamic+int8-head,...] [--out bench/results/quantize_speed.json]
 
 Decode step: the median of `steps` engine steps of `batch` requests decoding together
 (16-token prompts, greedy). Weights: the bytes of every parameter as loaded (int8 codes,
-scales, the float embedding and norms), before the backend packs the linears, and the
-linear layers' share alone; the KV bytes per token beside them.
+scales, the embedding (int8 with an int8 head on a tied model) and norms), before the
+backend packs the linears, and the linear layers' share alone; the KV bytes per token
+beside them.
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ SCHEMES = {   # name -> (pdmesh quantize --scheme, --format) or None for the flo
     "w8a8-dynamic": ("w8a8-dynamic", "compressed-tensors"), "w8a8-static": ("w8a8", "modelslim"),
     "w4a16": ("w4a16", "compressed-tensors"), "c8": ("c8", "modelslim"),
 }
+INT8_HEAD = "+int8-head"    # a scheme's checkpoint served with engine.lm_head_quantization int8
+DEFAULT_SCHEMES = (*SCHEMES, "w8a8-dynamic" + INT8_HEAD, "w8a8-static" + INT8_HEAD)
 
 
 def decode_step(llm: LLM, batch: int, steps: int, vocab: int) -> float:
@@ -70,26 +74,34 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
+                    help=f"of {', '.join(SCHEMES)}, each optionally with {INT8_HEAD} (float32 always runs)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "quantize_speed.json"))
     args = ap.parse_args()
     model = model_folder(args.model)
     work = Path(tempfile.mkdtemp(prefix="pdmesh-quant-speed-"))
     calib = work / "calibration.txt"
     calib.write_text("\n\n".join(Path("/usr/share/common-licenses", n).read_text() for n in CALIBRATION))
-    folders = {}
-    for name, spec in SCHEMES.items():
+    names = ["float32", *(n for n in args.schemes.split(",") if n and n != "float32")]
+    for name in names:
+        if name.removesuffix(INT8_HEAD) not in SCHEMES:
+            raise SystemExit(f"--schemes: unknown {name!r}; allowed: {', '.join(SCHEMES)}, each with {INT8_HEAD}")
+    folders: dict[str, Path] = {}
+    for base in dict.fromkeys(n.removesuffix(INT8_HEAD) for n in names):
+        spec = SCHEMES[base]
         if spec is None:
-            folders[name] = model
+            folders[base] = model
             continue
-        out = work / name
+        out = work / base
         code = pdmesh(["quantize", str(model), "--scheme", spec[0], "--format", spec[1], "--calib", str(calib),
                        "--group-size", str(args.group_size), "--out", str(out)])
         if code != 0:
-            raise SystemExit(f"pdmesh quantize {name} exited {code}")
-        folders[name] = out
-    engines = {name: LLM(str(folder), kernel_backend="cpu", num_blocks=256,
-                         dtype="bfloat16" if name == "bfloat16" else "float32")
-               for name, folder in folders.items()}
+            raise SystemExit(f"pdmesh quantize {base} exited {code}")
+        folders[base] = out
+    engines = {name: LLM(str(folders[name.removesuffix(INT8_HEAD)]), kernel_backend="cpu", num_blocks=256,
+                         dtype="bfloat16" if name.startswith("bfloat16") else "float32",
+                         lm_head_quantization="int8" if name.endswith(INT8_HEAD) else "none")
+               for name in names}
     vocab = engines["float32"].engine.vocab_size
     batches = [int(b) for b in args.batches.split(",")]
     report = {"command": " ".join(["python", "bench/quantize_speed.py", *sys.argv[1:]]), "machine": machine_info(),
@@ -118,7 +130,7 @@ def main() -> int:
         report["schemes"][name] = entry
         steps = ", ".join(f"batch {b}: {statistics.median(entry['decode_step_ms'][b]):.1f} ms "
                           f"({entry['ratio_to_float32'][b]:.2f}x)" for b in batches)
-        print(f"{name:14s} weights {entry['weight_bytes'] / 2**20:7.1f} MiB ({entry['weight_ratio']:.2f}x; "
+        print(f"{name:24s} weights {entry['weight_bytes'] / 2**20:7.1f} MiB ({entry['weight_ratio']:.2f}x; "
               f"linears {entry['linear_ratio']:.2f}x), "
               f"KV {entry['kv_bytes_per_token']} B/token; decode step {steps}")
     for llm in engines.values():

@@ -13,6 +13,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "npu")
 KERNEL_BACKENDS = ("auto", "ref", "cpu", "npu", "cuda")
 W8A8_MIX_PATHS = ("auto", "static", "dynamic")
+LM_HEAD_QUANTIZATIONS = ("none", "int8")    # common/model/layers/int8_vocab.py
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,14 @@ class EngineConfig:
     w8a8_mix_path: which half of an msModelSlim W8A8_MIX checkpoint the engine runs:
     "static" (calibrated activation scales: cheaper steps) or "dynamic" (per-token scales:
     more accurate prefill); "auto" = static on a decode node of a mesh, dynamic elsewhere
-    (vLLM-Ascend's rule: the KV consumer runs static). Other checkpoints ignore it."""
+    (vLLM-Ascend's rule: the KV consumer runs static). Other checkpoints ignore it.
+
+    lm_head_quantization: "int8" quantizes the LM head's matrix at load, per vocab row, and
+    runs the head as W8A8 dynamic; a tied embedding looks up the same codes (one int8 matrix
+    instead of a float one: SmolLM2's head is a fifth of its weights and of a decode step's
+    reads). It changes the logits (bench/quantize_accuracy.py measures it) and, when tied,
+    the embeddings, so every node of a mesh takes it from the one engine section. "none":
+    the head as the checkpoint has it."""
 
     model: str
     model_id: str = ""
@@ -60,6 +68,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     borrow_cores: tuple[int, ...] = ()
     w8a8_mix_path: str = "auto"
+    lm_head_quantization: str = "none"
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
@@ -73,6 +82,9 @@ class EngineConfig:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
         if self.w8a8_mix_path not in W8A8_MIX_PATHS:
             raise ValueError(f"w8a8_mix_path must be one of {W8A8_MIX_PATHS}, got {self.w8a8_mix_path!r}")
+        if self.lm_head_quantization not in LM_HEAD_QUANTIZATIONS:
+            raise ValueError(f"lm_head_quantization must be one of {LM_HEAD_QUANTIZATIONS}, "
+                             f"got {self.lm_head_quantization!r}")
         for name in ("block_size", "num_blocks", "max_model_len", "num_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = derive), got {getattr(self, name)}")

@@ -96,7 +96,9 @@ class CpuBackend(RefBackend):
         return int8_gemm_path()
 
     def prepare_int8_weight(self, weight: torch.Tensor) -> Any:
-        return weight.t().contiguous()     # [in, out]: _int_mm's right-hand side
+        # _int_mm's right-hand side [in, out] as a transposed view: oneDNN took it 1.6-3x faster
+        # for one row than the same matrix made contiguous, and as fast for 2 to 512 rows
+        return weight.t()
 
     def int8_matmul(self, x_q: torch.Tensor, weight: Any) -> torch.Tensor:
         return torch._int_mm(x_q.contiguous(), weight)

@@ -127,7 +127,7 @@ class LLMEngine:
         after the workers were spawned."""
         self.model, self.kv_cache = load_rank(mcfg, self.backend, self.dtype, self.device, config.model,
                                               self.shard, self.max_model_len, self.num_blocks, self.block_size,
-                                              resolved_w8a8_mix_path(config))
+                                              resolved_w8a8_mix_path(config), config.lm_head_quantization == "int8")
         if self.tp is not None:
             self.model.attach_group(self.tp.wait_ready())
         self.model_id = config.model_id or Path(config.model).resolve().name

@@ -140,7 +140,7 @@ def _load(spec: WorkerSpec):
     shard = plan_shard(mcfg, cfg.tensor_parallel_size, spec.rank)
     model, kv_cache = load_rank(mcfg, get_backend(cfg.kernel_backend, device), DTYPE_BY_NAME[spec.dtype], device,
                                 cfg.model, shard, spec.max_model_len, spec.num_blocks, spec.block_size,
-                                resolved_w8a8_mix_path(cfg))
+                                resolved_w8a8_mix_path(cfg), cfg.lm_head_quantization == "int8")
     return ModelRunner(model, kv_cache, spec.block_size)
 
 

@@ -30,11 +30,11 @@ from kernels import DecodeMetadata, PrefillMetadata
 
 def load_rank(mcfg, backend, dtype: torch.dtype, device: torch.device, model_dir: str, shard,
               max_model_len: int, num_blocks: int, block_size: int,
-              w8a8_mix_path: str = "dynamic") -> tuple[torch.nn.Module, torch.Tensor]:
+              w8a8_mix_path: str = "dynamic", lm_head_int8: bool = False) -> tuple[torch.nn.Module, torch.Tensor]:
     """One rank's model (its shard's weights, read from model_dir, on device, linears
     prepared) and its zeroed KV cache [num_layers, 2, num_blocks, block_size, its KV
     heads, head_dim] (int8 for a C8 checkpoint): what rank 0 (LLMEngine) and every worker (common/parallel/worker.py)
-    build alike. ValueError naming the problem for a checkpoint the engine cannot read."""
+    build alike. lm_head_int8: the vocabulary matrix in int8 (layers/int8_vocab.py). ValueError naming the problem for a checkpoint the engine cannot read."""
     model = build_model(mcfg, backend, dtype, max_positions=max_model_len, shard=shard,
                         quant=quantization_config(model_dir, w8a8_mix_path))
     model.load_weights(model_dir)
@@ -42,7 +42,7 @@ def load_rank(mcfg, backend, dtype: torch.dtype, device: torch.device, model_dir
         from common.model.formats.msmodelslim import kv_scales_id
         model.kv_scales_id = kv_scales_id(model_dir)
     model.to(device)
-    model.prepare_linears()
+    model.prepare_linears(lm_head_int8)
     kv_cache = torch.zeros(mcfg.num_layers, 2, num_blocks, block_size, shard.num_kv_heads, mcfg.head_dim,
                            dtype=model.kv_cache_dtype, device=device)
     return model, kv_cache

@@ -44,6 +44,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", default="", metavar="OUT", help="write the result as JSON to OUT")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", help="in-process engines' dtype (default: auto = float32 on CPU)")
+    p.add_argument("--lm-head-quantization", default="none", choices=("none", "int8"),
+                   help="--model's engine: its LM head (and tied embedding) in int8 (default: %(default)s)")
     p.add_argument("--api-key-file", default="", help="--gateway: file whose first line is the API key")
     p.add_argument("--tls-dir", default="", help="--gateway: folder of `pdmesh certs init` (TLS on)")
     return p
@@ -91,7 +93,8 @@ def _scorer(args: argparse.Namespace):
         return GatewayScorer(args.gateway, api_key(args.api_key_file, address=args.gateway),
                              client_tls(args.tls_dir, address=args.gateway))
     from common.engine import LLM
-    return EngineScorer(LLM(args.model, device=args.device, dtype=args.dtype))
+    return EngineScorer(LLM(args.model, device=args.device, dtype=args.dtype,
+                            lm_head_quantization=args.lm_head_quantization))
 
 
 def _perplexity(args: argparse.Namespace) -> dict:
@@ -122,8 +125,8 @@ def _agreement(args: argparse.Namespace) -> dict:
     from services.eval.windows import prompt_windows
     path, text, sha = read_text(args.prompts)
     start = time.perf_counter()
-    model = LLM(args.model, device=args.device, dtype=args.dtype)
-    same = Path(args.reference).resolve() == Path(args.model).resolve()
+    model = LLM(args.model, device=args.device, dtype=args.dtype, lm_head_quantization=args.lm_head_quantization)
+    same = (Path(args.reference).resolve() == Path(args.model).resolve()) and args.lm_head_quantization == "none"
     reference = model if same else LLM(args.reference, device=args.device, dtype=args.dtype)
     encoded = EngineScorer(model).encode(text)
     spans = prompt_windows(len(encoded.token_ids), args.num_prompts, args.prompt_len)

@@ -78,7 +78,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope_cos_sin(inv_freq, max_positions or cfg.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.dense_bytes: dict[str, int] = {}   # parameter name -> bytes before prepare_linears
+        self.dense_bytes: dict[str, int] = {}   # parameter name -> bytes as loaded (an int8 head's: its codes and scales)
         self.kv_cache_dtype = torch.int8 if quant.kv_cache_int8 else dtype
         self.kv_scales_id = ""      # a C8 model's, set by whoever loads it (common/runner/model_runner.py)
 
@@ -109,10 +109,11 @@ class LlamaForCausalLM(nn.Module):
         for _, linear in self.linears():
             linear.attach_group(group)
 
-    def prepare_linears(self) -> None:
+    def prepare_linears(self, lm_head_int8: bool = False) -> None:
         """After load_weights and .to(device), before the first forward: every linear's
-        method processes its weights, and the LM head gets the backend's prepared form.
-        Once only: a packed parameter's dense storage is gone."""
+        method processes its weights, and the LM head gets the backend's prepared form
+        (lm_head_int8: its int8 form, layers/int8_vocab.py). Once only: a packed
+        parameter's dense storage is gone."""
         if self.lm_head.prepared is not None:
             raise RuntimeError("prepare_linears() was already called")
         self.dense_bytes = {name: p.numel() * p.element_size() for name, p in self.named_parameters()}
@@ -121,7 +122,10 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             if layer.self_attn.kv_int8 is not None:
                 layer.self_attn.kv_int8.prepare()
-        self.lm_head.prepare(self.backend)
+        self.lm_head.prepare(self.backend, int8=lm_head_int8)
+        if lm_head_int8:
+            name = "embed.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
+            self.dense_bytes[name] = self.lm_head.int8.nbytes
 
     def forward(self, input_ids: torch.Tensor, batch: StepBatch, kv_cache: torch.Tensor,
                 on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
