@@ -7,7 +7,8 @@ The references are the tests' independent implementations (transformers' model i
 each projection computing the scheme from the checkpoint's own tensors:
 tests/quant_checkpoints.py, tests/msmodelslim_checkpoints.py, tests/c8_checkpoints.py), not
 pdmesh's kernels. Target (issue 28): within 0.5% of the reference's perplexity; W4A16
-tokens equal.
+tokens equal. Beside it, the same reference run in float32: how far float32 rounding alone
+moves each scheme's perplexity (W8A8's rounding decisions flip under it).
 
     python bench/quantize_reference.py [--model smollm2] [--schemes w8a8-dynamic:compressed-tensors,...]
         [--max-tokens 0] [--greedy-prompts 4] [--greedy-tokens 32]
@@ -41,15 +42,16 @@ from tests.quant_checkpoints import w4a16_reference_model, w8a8_reference_model 
 
 GROUP_SIZE = 64            # 576 is not a multiple of 128
 CALIBRATION = ("Apache-2.0", "MPL-2.0", "Artistic", "CC0-1.0", "BSD")     # none of the GPL family
-SCHEMES = {   # name -> (pdmesh quantize --scheme, --format, float64 reference of the folder)
+SCHEMES = {   # name (":gptq": --method gptq) -> (pdmesh quantize --scheme, --format, float64 reference of the folder)
     "w8a8-dynamic:compressed-tensors": ("w8a8-dynamic", "compressed-tensors",
                                         lambda q: w8a8_reference_model(q, divisor=127.5)),
     "w8a8-dynamic:modelslim": ("w8a8-dynamic", "modelslim", lambda q: modelslim_reference(q, "dynamic")),
     "w8a8:modelslim": ("w8a8", "modelslim", lambda q: modelslim_reference(q, "static")),
     "w4a16:compressed-tensors": ("w4a16", "compressed-tensors", lambda q: w4a16_reference_model(q, GROUP_SIZE)),
+    "w4a16:compressed-tensors:gptq": ("w4a16", "compressed-tensors", lambda q: w4a16_reference_model(q, GROUP_SIZE)),
     "c8:modelslim": ("c8", "modelslim", c8_reference),
 }
-GREEDY = ("w4a16:compressed-tensors",)     # token-stable: the same math in fp32 and float64 agree
+GREEDY = ("w4a16:compressed-tensors", "w4a16:compressed-tensors:gptq")   # token-stable (fp32 and float64 agree)
 
 
 class ReferenceScorer:
@@ -114,9 +116,10 @@ def main() -> int:
     try:
         for name in names:
             scheme, fmt, reference = SCHEMES[name]
+            method = "gptq" if name.endswith(":gptq") else "rtn"
             out = work / name.replace(":", "-")
             quantize = ["quantize", str(model), "--scheme", scheme, "--format", fmt, "--calib", str(calib),
-                        "--group-size", str(GROUP_SIZE), "--out", str(out)]
+                        "--group-size", str(GROUP_SIZE), "--method", method, "--out", str(out)]
             if pdmesh(quantize) != 0:
                 raise SystemExit(f"pdmesh {' '.join(quantize)} failed")
             start = time.perf_counter()
@@ -137,20 +140,25 @@ def main() -> int:
             with reference_context(name, ref_model):
                 ref = perplexity(ids, args.window, args.stride, ReferenceScorer(ref_model, max_window))
                 ref_tokens = [greedy64(ref_model, p, args.greedy_tokens) for p in prompts] if our_tokens else []
+                # the same reference in float32: how far float32 rounding alone moves this scheme
+                ref32 = perplexity(ids, args.window, args.stride, ReferenceScorer(ref_model.float(), max_window))
             reference_s = time.perf_counter() - start
             run = {"scheme": name, "quantize_command": "pdmesh " + " ".join(quantize),
                    "ppl": ours.ppl, "reference_ppl": ref.ppl, "ppl_diff": ours.ppl / ref.ppl - 1,
+                   "reference_fp32_ppl": ref32.ppl, "reference_fp32_diff": ref32.ppl / ref.ppl - 1,
                    "scored": ours.scored, "num_windows": ours.num_windows,
                    "engine_seconds": engine_s, "reference_seconds": reference_s}
             if our_tokens:
                 run["greedy_tokens_equal"] = our_tokens == ref_tokens
-                run["greedy_positions_equal"] = sum(a == b for x, y in zip(our_tokens, ref_tokens) for a, b in zip(x, y))
+                run["greedy_positions_equal"] = sum(a == b for x, y in zip(our_tokens, ref_tokens)
+                                                    for a, b in zip(x, y))
                 run["greedy_positions"] = sum(len(x) for x in ref_tokens)
             report["runs"].append(run)
             tokens = (f"; greedy tokens {run['greedy_positions_equal']}/{run['greedy_positions']} equal"
                       if our_tokens else "")
             print(f"{name:34s} pdmesh eval {ours.ppl:.4f}, float64 reference {ref.ppl:.4f} "
-                  f"({100 * run['ppl_diff']:+.3f}%){tokens}", flush=True)
+                  f"({100 * run['ppl_diff']:+.3f}%; the reference in float32 {ref32.ppl:.4f}, "
+                  f"{100 * run['reference_fp32_diff']:+.3f}%){tokens}", flush=True)
             shutil.rmtree(out, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -36,6 +36,7 @@ from kernels.kv_int8 import KVCacheScales, dequantize_kv
 
 BLOCK_SIZE = 128
 MASK_SIZE = 2048
+QUANT_MATMUL_MAX_DIM = 65535    # npu_quant_matmul's last dims
 _REQUIRED_OPS = ("npu_fused_infer_attention_score", "npu_rms_norm", "npu_rotary_mul")
 
 
@@ -234,13 +235,27 @@ class NpuBackend(Backend):
         return self._npu.npu_quantize(x, pair[0], pair[1], torch.qint8, -1, False)
 
     def prepare_int8_weight(self, weight):
-        return weight.t().contiguous()        # [in, out]: npu_quant_matmul's x2
+        # [in, out]: npu_quant_matmul's x2, whose dims stop at 65535: a wider matrix (a vocabulary:
+        # Qwen's 151,936 rows) is kept as column slices multiplied one by one
+        t = weight.t()
+        if t.shape[1] <= QUANT_MATMUL_MAX_DIM:
+            return t.contiguous()
+        return [t[:, a:a + QUANT_MATMUL_MAX_DIM].contiguous() for a in range(0, t.shape[1], QUANT_MATMUL_MAX_DIM)]
 
     def int8_matmul(self, x_q, weight):
         raise NotImplementedError("the npu backend multiplies int8 through int8_scaled_matmul only")
 
     def int8_scaled_matmul(self, x_q, weight, scale, row_scale=None, int_bias=None, bias=None,
                            out_dtype=torch.float32):
+        if isinstance(weight, list):
+            outs, at = [], 0
+            for part in weight:
+                end = at + part.shape[1]
+                outs.append(self.int8_scaled_matmul(
+                    x_q, part, scale[..., at:end], row_scale, None if int_bias is None else int_bias[at:end],
+                    None if bias is None else bias[at:end], out_dtype))
+                at = end
+            return torch.cat(outs, dim=-1)
         out = self._npu.npu_quant_matmul(
             x_q, weight, scale.reshape(-1), pertoken_scale=None if row_scale is None else row_scale.reshape(-1),
             bias=int_bias if int_bias is not None else bias, output_dtype=out_dtype)

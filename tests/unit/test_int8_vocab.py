@@ -48,6 +48,21 @@ def test_the_layer_computes_w8a8_dynamic_on_the_rows_codes(backend_name, request
         assert calls["npu_dynamic_quant"] == 1 and calls["npu_quant_matmul"] == 1
 
 
+def test_a_vocabulary_wider_than_npu_quant_matmul_takes_goes_in_slices(npu_op_calls):
+    backend = get_backend("npu", "cpu")
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(151_936, 32, generator=g)            # Qwen's vocabulary; the op stops at 65535
+    vocab = Int8Vocab(weight, backend)
+    assert [p.shape for p in vocab.prepared] == [(32, 65535), (32, 65535), (32, 20866)]
+    hidden = torch.randn(3, 32, generator=g)
+    got = vocab.logits(hidden, backend).double()
+    sx = hidden.double().abs().amax(1, keepdim=True) / 127
+    x_q = torch.round(hidden.double() / sx).clamp(-128, 127)
+    want = (x_q @ vocab.codes.double().t()) * sx * vocab.scale.double().t()
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert npu_op_calls["npu_quant_matmul"] == 3
+
+
 # ---- the model ----------------------------------------------------------------------------
 def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
     return (p_log.exp() * (p_log - q_log)).sum(-1)
