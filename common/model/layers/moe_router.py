@@ -1,0 +1,119 @@
+"""The router of a Mixture-of-Experts layer: which experts each token goes to, and with
+what weight. transformers 5 is the reference for every family:
+
+    softmax top-k          p = softmax(logits); top-k of p; renormalised to sum 1 when
+                           `renormalize` (Mixtral always; Qwen3-MoE if norm_topk_prob)
+    deepseek_v3            s = sigmoid(logits) in float32; the choice uses s + bias
+                           (e_score_correction_bias): each of n_group groups scored by the
+                           sum of its top 2, the best topk_group groups kept, top-k of those;
+                           weights = the chosen s (unbiased), / (their sum + 1e-20) when
+                           norm_topk_prob, * routed_scaling_factor
+    deepseek_v2            p = softmax(logits) in float32; "greedy" top-k, or
+                           "group_limited_greedy": groups scored by their max, the best
+                           topk_group kept, top-k of those; * routed_scaling_factor, never
+                           renormalised
+
+    router(x [tokens, hidden]) -> (weights float32 [tokens, top_k], expert_ids int64 [tokens, top_k])
+
+The order of the k chosen experts is unspecified (the layer sums over them). The gate is
+replicated on every rank (`<prefix>gate.weight` [num_experts, hidden]; DeepSeek-V3 also
+`<prefix>gate.e_score_correction_bias` [num_experts]).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.model.layers.weight_slots import Slot, new_param
+
+ROUTING = ("softmax", "deepseek_v3", "deepseek_v2")
+TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    routing: str                     # one of ROUTING
+    num_experts: int
+    top_k: int
+    renormalize: bool = False        # softmax: renormalise the top-k; deepseek_v3: norm_topk_prob
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    topk_method: str = "greedy"      # deepseek_v2
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTING:
+            raise ValueError(f"routing must be one of {ROUTING}, got {self.routing!r}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        grouped = self.routing == "deepseek_v3" or self.topk_method == "group_limited_greedy"
+        if grouped and (self.n_group < 1 or self.num_experts % self.n_group
+                        or not 1 <= self.topk_group <= self.n_group):
+            raise ValueError(f"n_group must divide num_experts ({self.num_experts}) and topk_group be in "
+                             f"[1, n_group], got n_group={self.n_group}, topk_group={self.topk_group}")
+        if self.routing == "deepseek_v3" and self.num_experts // self.n_group < 2:
+            raise ValueError(f"deepseek_v3 routing scores a group by its top 2 experts: n_group must leave "
+                             f"at least 2 experts a group, got {self.num_experts} experts in {self.n_group}")
+        if self.routing == "deepseek_v2" and self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"topk_method must be one of {TOPK_METHODS}, got {self.topk_method!r}")
+
+
+def _keep_best_groups(choice: torch.Tensor, group_scores: torch.Tensor, cfg: RouterConfig,
+                      fill: float) -> torch.Tensor:
+    """choice [tokens, experts] with every expert outside the topk_group best groups set to fill."""
+    best = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    keep = keep.unsqueeze(-1).expand(-1, cfg.n_group, cfg.num_experts // cfg.n_group).reshape_as(choice)
+    return choice.masked_fill(~keep, fill)
+
+
+def route(logits: torch.Tensor, cfg: RouterConfig,
+          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [tokens, num_experts] -> (weights float32, expert_ids int64), both [tokens, top_k]."""
+    if cfg.routing == "softmax":
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, ids = probs.topk(cfg.top_k, dim=-1)
+        if cfg.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+    if cfg.routing == "deepseek_v3":
+        scores = logits.float().sigmoid()
+        choice = scores if bias is None else scores + bias.float()
+        groups = choice.view(-1, cfg.n_group, cfg.num_experts // cfg.n_group).topk(2, dim=-1).values.sum(-1)
+        ids = _keep_best_groups(choice, groups, cfg, float("-inf")).topk(cfg.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if cfg.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+    probs = torch.softmax(logits.float(), dim=-1)             # deepseek_v2
+    if cfg.topk_method == "group_limited_greedy":
+        groups = probs.view(-1, cfg.n_group, cfg.num_experts // cfg.n_group).amax(dim=-1)
+        probs = _keep_best_groups(probs, groups, cfg, 0.0)
+    weights, ids = probs.topk(cfg.top_k, dim=-1, sorted=False)
+    return weights * cfg.routed_scaling_factor, ids
+
+
+class Router(nn.Module):
+    """The gate (replicated on every rank) and the routing rule of cfg. DeepSeek's gate
+    runs in float32 whatever the model's dtype (as transformers' does)."""
+
+    def __init__(self, hidden_size: int, cfg: RouterConfig, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = new_param(cfg.num_experts, hidden_size,
+                                dtype=torch.float32 if cfg.routing != "softmax" else dtype)
+        self.bias = new_param(cfg.num_experts, dtype=torch.float32) if cfg.routing == "deepseek_v3" else None
+
+    def weight_slots(self, name: str) -> dict[str, Slot]:
+        """name: the checkpoint's gate, e.g. "model.layers.3.mlp.gate"."""
+        slots = {name + ".weight": Slot(self.weight, 0, self.cfg.num_experts, tuple(self.weight.shape))}
+        if self.bias is not None:
+            slots[name + ".e_score_correction_bias"] = Slot(self.bias, 0, self.cfg.num_experts, (self.cfg.num_experts,))
+        return slots
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.to(self.weight.dtype), self.weight)
+        return route(logits, self.cfg, self.bias)
