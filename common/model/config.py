@@ -38,6 +38,12 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     sliding_window: int | None = None
+    # Mixture of Experts (layers/moe.py): the layers whose MLP is sparse, and its router
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -93,7 +99,8 @@ def model_config_from_dict(raw: dict[str, Any], source: str = "config.json") -> 
         qkv_bias = True
     else:
         qkv_bias = bool(raw.get("attention_bias", False))
-    sliding = raw.get("sliding_window") if raw.get("use_sliding_window", kind == "mistral") else None
+    sliding = raw.get("sliding_window") if raw.get("use_sliding_window", kind in ("mistral", "mixtral")) else None
+    moe = _moe(raw, kind, cfg_fields["num_layers"], cfg_fields["intermediate_size"], source)
     return ModelConfig(
         architecture=arch,
         model_type=kind,
@@ -109,13 +116,36 @@ def model_config_from_dict(raw: dict[str, Any], source: str = "config.json") -> 
         qkv_bias=qkv_bias,
         o_bias=bool(raw.get("attention_bias", False)) and kind != "qwen2",
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=kind == "qwen3",
+        qk_norm=kind in ("qwen3", "qwen3_moe"),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_ids(raw.get("eos_token_id")),
         sliding_window=int(sliding) if sliding else None,
+        **moe,
         **cfg_fields,
     )
+
+
+def _moe(raw: dict[str, Any], kind: str, num_layers: int, intermediate: int, source: str) -> dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE or Mixtral config ({} for a dense family). Qwen3-MoE:
+    layer i is sparse if i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0;
+    Mixtral: every layer, its experts intermediate_size wide, always renormalised. Both
+    spellings of the expert count (num_experts, num_local_experts) are read."""
+    if kind not in ("qwen3_moe", "mixtral"):
+        return {}
+    experts = raw.get("num_experts") or raw.get("num_local_experts")
+    if not experts or not raw.get("num_experts_per_tok"):
+        raise ValueError(f"{source}: a {kind} config needs num_experts (or num_local_experts) and num_experts_per_tok")
+    if kind == "mixtral":
+        return dict(moe_layers=tuple(range(num_layers)), num_experts=int(experts),
+                    num_experts_per_tok=int(raw["num_experts_per_tok"]), moe_intermediate_size=intermediate,
+                    norm_topk_prob=True)
+    step = int(raw.get("decoder_sparse_step", 1) or 1)
+    dense = set(raw.get("mlp_only_layers") or ())
+    return dict(moe_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
+                num_experts=int(experts), num_experts_per_tok=int(raw["num_experts_per_tok"]),
+                moe_intermediate_size=int(raw.get("moe_intermediate_size") or intermediate),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)))
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:

@@ -24,10 +24,12 @@ class Loadable(Protocol):
 
 
 @torch.inference_mode()
-def load_weights(model: Loadable, model_dir: str | Path, dtype: torch.dtype, what: str) -> None:
-    """ValueError naming the file and the tensor on an unexpected tensor, a shape mismatch
-    or an integer tensor where a float one belongs (or the reverse: a cast would be
-    garbage); naming the tensors when any is missing. what: the model, for the errors."""
+def load_weights(model: Loadable, model_dir: str | Path, dtype: torch.dtype, what: str) -> set[str]:
+    """The names of the tensors read. ValueError naming the file and the tensor on an
+    unexpected tensor, a shape mismatch or an integer tensor where a float one belongs (or
+    the reverse: a cast would be garbage); naming the tensors when any is missing (an
+    optional slot's: the model checks those, e.g. layers/moe.py's two layouts). what: the
+    model, for the errors."""
     slots = model.weight_slots()
     ignored_names, ignored_suffixes = model.ignored_tensors()
     sources = {name: slot.source for name, slot in slots.items() if slot.source is not None}
@@ -55,3 +57,4 @@ def load_weights(model: Loadable, model_dir: str | Path, dtype: torch.dtype, wha
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"{model_dir}: checkpoint is missing {len(missing)} tensor(s): {shown}")
+    return loaded

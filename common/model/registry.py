@@ -30,6 +30,8 @@ ARCHITECTURES: dict[str, Family] = {
     "MistralForCausalLM": Family("mistral", _LLAMA, "LlamaForCausalLM"),
     "Qwen2ForCausalLM": Family("qwen2", _LLAMA, "LlamaForCausalLM"),
     "Qwen3ForCausalLM": Family("qwen3", _LLAMA, "LlamaForCausalLM"),
+    "Qwen3MoeForCausalLM": Family("qwen3_moe", _LLAMA, "LlamaForCausalLM"),
+    "MixtralForCausalLM": Family("mixtral", _LLAMA, "LlamaForCausalLM"),
 }
 
 

@@ -26,10 +26,11 @@ SMALL = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_si
 def test_every_architecture_resolves_to_its_family():
     assert {arch: model_class(arch) for arch in ARCHITECTURES} == {
         "LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
-        "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": LlamaForCausalLM}
+        "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": LlamaForCausalLM,
+        "Qwen3MoeForCausalLM": LlamaForCausalLM, "MixtralForCausalLM": LlamaForCausalLM}
     with pytest.raises(ValueError, match=r"architecture 'GPT2LMHeadModel' is not supported; allowed: "
-                                         r"\['LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', "
-                                         r"'Qwen3ForCausalLM'\]"):
+                                         r"\['LlamaForCausalLM', 'MistralForCausalLM', 'MixtralForCausalLM', "
+                                         r"'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM'\]"):
         model_class("GPT2LMHeadModel")
 
 

@@ -107,11 +107,12 @@ class Router(nn.Module):
                                 dtype=torch.float32 if cfg.routing != "softmax" else dtype)
         self.bias = new_param(cfg.num_experts, dtype=torch.float32) if cfg.routing == "deepseek_v3" else None
 
-    def weight_slots(self, name: str) -> dict[str, Slot]:
+    def weight_slots(self, name: str, optional: bool = False) -> dict[str, Slot]:
         """name: the checkpoint's gate, e.g. "model.layers.3.mlp.gate"."""
-        slots = {name + ".weight": Slot(self.weight, 0, self.cfg.num_experts, tuple(self.weight.shape))}
+        n = self.cfg.num_experts
+        slots = {name + ".weight": Slot(self.weight, 0, n, tuple(self.weight.shape), optional=optional)}
         if self.bias is not None:
-            slots[name + ".e_score_correction_bias"] = Slot(self.bias, 0, self.cfg.num_experts, (self.cfg.num_experts,))
+            slots[name + ".e_score_correction_bias"] = Slot(self.bias, 0, n, (n,), optional=optional)
         return slots
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

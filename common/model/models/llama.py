@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3): GQA attention and a gated MLP
-per layer, pre-norm residuals, over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and the MoE ones, Qwen3-MoE and
+Mixtral): GQA attention and a gated MLP per layer (a sparse MoE MLP on the config's MoE
+layers, layers/moe.py), pre-norm residuals, over a paged KV cache.
 
     h = embed(ids)
     for each layer:  h += attn(rms(h));  h += mlp(rms(h))
@@ -26,6 +27,8 @@ from common.model.layers.attention import GQAAttention
 from common.model.layers.embedding import LMHead, VocabEmbedding
 from common.model.layers.linear import Linear
 from common.model.layers.mlp import GatedMLP
+from common.model.layers.moe import SparseMoE
+from common.model.layers.moe_router import RouterConfig
 from common.model.layers.norm import RMSNorm
 from common.model.layers.quant_config import FloatConfig, QuantizationConfig
 from common.model.layers.weight_slots import Slot
@@ -39,14 +42,21 @@ if TYPE_CHECKING:
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: TPShard, quant: QuantizationConfig, prefix: str,
+    def __init__(self, cfg: ModelConfig, shard: TPShard, quant: QuantizationConfig, index: int,
                  dtype: torch.dtype):
         super().__init__()
+        prefix = f"model.layers.{index}."
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = GQAAttention(cfg, shard, quant, prefix + "self_attn.", dtype)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, shard, quant, prefix + "mlp.", dtype,
-                            bias=cfg.mlp_bias)
+        if index in cfg.moe_layers:
+            mixtral = cfg.model_type == "mixtral"
+            router = RouterConfig("softmax", cfg.num_experts, cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob)
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, router, prefix, dtype,
+                                 naming="mixtral" if mixtral else "qwen3_moe")
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, shard, quant, prefix + "mlp.", dtype,
+                                bias=cfg.mlp_bias)
 
     def weight_slots(self, prefix: str) -> dict[str, Slot]:
         return {**self.input_norm.weight_slots(prefix + "input_layernorm"),
@@ -68,8 +78,10 @@ class LlamaForCausalLM(nn.Module):
         self.shard = sh = shard or whole_model(cfg)
         self.quant = quant = quant or FloatConfig()
         self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, sh, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, sh, quant, f"model.layers.{i}.", dtype)
-                                    for i in range(cfg.num_layers))
+        if cfg.moe_layers and sh.size > 1:
+            raise ValueError(f"{cfg.architecture}: Mixture-of-Experts layers run at tensor_parallel_size 1 for now, "
+                             f"got {sh.size}")
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, sh, quant, i, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, sh, dtype,
                               tied_to=self.embed if cfg.tie_word_embeddings else None)
@@ -97,7 +109,10 @@ class LlamaForCausalLM(nn.Module):
         """The checkpoint (a HF folder or a .gguf file) into the parameters; a shard reads
         only its slices. ValueError naming the file and the tensor on a shape mismatch or
         an unexpected tensor; naming the tensors when any is missing."""
-        load_weights(self, model_dir, self.dtype, self.cfg.architecture)
+        loaded = load_weights(self, model_dir, self.dtype, self.cfg.architecture)
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.check_layout(loaded)
 
     def linears(self) -> Iterator[tuple[str, Linear]]:
         return ((name, m) for name, m in self.named_modules() if isinstance(m, Linear))

@@ -1,0 +1,95 @@
+"""A sparse Mixture-of-Experts MLP (Qwen3-MoE, Mixtral): a router picks top_k experts per
+token (layers/moe_router.py), and each expert's gated MLP runs over the tokens routed to it
+(layers/moe_experts.py).
+
+Checkpoint layouts, both read (one per checkpoint; never a mix, never a tensor dropped):
+
+    per expert    <layer>.mlp.experts.{e}.gate_proj.weight / up_proj / down_proj, gate
+                  <layer>.mlp.gate.weight (Qwen3-MoE);  <layer>.block_sparse_moe.experts.{e}.
+                  w1.weight / w3 / w2 (gate, up, down), <layer>.block_sparse_moe.gate.weight (Mixtral)
+    fused         <layer>.mlp.experts.gate_up_proj [E, 2I, H], <layer>.mlp.experts.down_proj
+                  [E, H, I] (no ".weight"), <layer>.mlp.gate.weight: transformers 5's
+                  save_pretrained(save_original_format=False), for both families
+
+The experts are held fused either way: w13 [E * 2I, H] (each expert's gate rows then its up
+rows) and w2 [E * H, I], viewed 3-D. Tensor parallelism is not supported for MoE layers
+yet (the model refuses it at construction).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from common.model.layers.moe_experts import routed_experts
+from common.model.layers.moe_router import Router, RouterConfig
+from common.model.layers.weight_slots import Slot, new_param
+
+if TYPE_CHECKING:
+    from kernels import Backend
+
+PER_EXPERT_NAMES = {"qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+                    "mixtral": ("block_sparse_moe.", ("w1", "w3", "w2"))}    # module, (gate, up, down)
+FUSED_MODULE = "mlp."
+
+
+class SparseMoE(nn.Module):
+    """layer_prefix: the checkpoint's name of the decoder layer, e.g. "model.layers.3."."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, router: RouterConfig, layer_prefix: str,
+                 dtype: torch.dtype, naming: str = "qwen3_moe"):
+        super().__init__()
+        self.hidden, self.inter, self.num_experts = hidden_size, intermediate_size, router.num_experts
+        module, self.names = PER_EXPERT_NAMES[naming]
+        self.per_expert_prefix, self.fused_prefix = layer_prefix + module, layer_prefix + FUSED_MODULE
+        self.prefix = self.fused_prefix        # for the errors
+        self.gate = Router(hidden_size, router, dtype)
+        self.w13 = new_param(self.num_experts * 2 * intermediate_size, hidden_size, dtype=dtype)
+        self.w2 = new_param(self.num_experts * hidden_size, intermediate_size, dtype=dtype)
+
+    def _per_expert_slots(self) -> dict[str, Slot]:
+        h, i = self.hidden, self.inter
+        gate, up, down = self.names
+        slots = self.gate.weight_slots(self.per_expert_prefix + "gate", optional=True)
+        for e in range(self.num_experts):
+            p = f"{self.per_expert_prefix}experts.{e}."
+            slots[p + gate + ".weight"] = Slot(self.w13, e * 2 * i, e * 2 * i + i, (i, h), optional=True)
+            slots[p + up + ".weight"] = Slot(self.w13, e * 2 * i + i, (e + 1) * 2 * i, (i, h), optional=True)
+            slots[p + down + ".weight"] = Slot(self.w2, e * h, (e + 1) * h, (h, i), optional=True)
+        return slots
+
+    def _fused_slots(self) -> dict[str, Slot]:
+        e, h, i, p = self.num_experts, self.hidden, self.inter, self.fused_prefix
+        return {**self.gate.weight_slots(p + "gate", optional=True),
+                p + "experts.gate_up_proj": Slot(self.w13, 0, e * 2 * i, (e, 2 * i, h), optional=True,
+                                                 convert=lambda t: t.reshape(-1, h)),
+                p + "experts.down_proj": Slot(self.w2, 0, e * h, (e, h, i), optional=True,
+                                              convert=lambda t: t.reshape(-1, i))}
+
+    def weight_slots(self, prefix: str = "") -> dict[str, Slot]:
+        """Both layouts' names, optional (the layer knows its names; prefix is unused):
+        check_layout says whether one came whole."""
+        return {**self._per_expert_slots(), **self._fused_slots()}
+
+    def check_layout(self, loaded: set[str]) -> None:
+        """After loading: ValueError naming the tensors unless exactly one layout was read
+        whole (a mix, or a partial one, would leave experts of garbage)."""
+        layouts = {"per expert": set(self._per_expert_slots()), "fused": set(self._fused_slots())}
+        shared = layouts["per expert"] & layouts["fused"]          # Qwen3-MoE's gate: both layouts name it
+        found = [name for name, names in layouts.items() if (names - shared) & loaded]
+        if len(found) != 1:
+            raise ValueError(f"{self.prefix}experts: the checkpoint must hold the experts in one layout, per expert "
+                             f"({self.per_expert_prefix}experts.N.{self.names[0]}.weight ...) or fused "
+                             f"({self.fused_prefix}experts.gate_up_proj, down_proj); found "
+                             f"{' and '.join(found) if found else 'neither'}")
+        missing = sorted(layouts[found[0]] - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"{self.prefix}experts: checkpoint is missing {len(missing)} tensor(s): {shown}")
+
+    def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        w13 = self.w13.view(self.num_experts, 2 * self.inter, self.hidden)
+        w2 = self.w2.view(self.num_experts, self.hidden, self.inter)
+        return routed_experts(x, weights, ids, w13, w2)

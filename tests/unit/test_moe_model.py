@@ -1,0 +1,118 @@
+"""Mixture-of-Experts families through the engine (Qwen3-MoE, Mixtral: layers/moe.py) against
+transformers on tiny random models it saved, in both checkpoint layouts (per expert, and
+transformers 5's fused `save_original_format=False`), and the checkpoints the loader must
+refuse: a missing expert, two layouts at once, a tensor no parameter takes."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from common.engine import LLM, SamplingParams
+from common.model.config import model_config_from_dict
+from tests.conftest import assert_no_blocks_in_use
+
+IDS = [1, 17, 400, 9, 23, 610, 5, 77, 301, 12, 990, 45, 3]
+COMMON = dict(vocab_size=1024, hidden_size=128, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4,
+              max_position_embeddings=2048, initializer_range=0.15, bos_token_id=1, eos_token_id=2)
+
+
+def qwen3_moe():
+    import transformers
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        intermediate_size=256, moe_intermediate_size=64, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], **COMMON))
+
+
+def mixtral():
+    import transformers
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=None, **COMMON))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, tiny_model):
+    """saved(family, layout) -> (folder, transformers model)."""
+    made = {}
+
+    def get(family: str, layout: str):
+        if (family, layout) not in made:
+            torch.manual_seed(7)
+            model = {"qwen3_moe": qwen3_moe, "mixtral": mixtral}[family]().eval()
+            out = tmp_path_factory.mktemp(f"{family}-{layout}")
+            model.save_pretrained(out, save_original_format=layout == "per-expert")
+            for f in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copy(tiny_model("llama") / f, out / f)
+            made[family, layout] = (out, model)
+        return made[family, layout]
+
+    return get
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("layout", ["per-expert", "fused"])
+@pytest.mark.parametrize("backend", ["ref", "cpu"])
+def test_moe_model_equals_transformers(saved, family, layout, backend):
+    folder, theirs = saved(family, layout)
+    names = load_file(folder / "model.safetensors").keys()
+    assert any(".experts.0." in n for n in names) == (layout == "per-expert")     # the layout under test
+    with torch.no_grad():
+        ref = torch.log_softmax(theirs(torch.tensor([IDS])).logits[0, :-1].double(), -1)
+        want = theirs.generate(torch.tensor([IDS]), max_new_tokens=10, do_sample=False)[0, len(IDS):].tolist()
+    with LLM(str(folder), kernel_backend=backend, num_blocks=64) as llm:
+        torch.testing.assert_close(llm.prompt_logprobs_full(IDS).double(), ref, atol=1e-4, rtol=0)
+        out = llm.generate([{"prompt_token_ids": IDS}],
+                           SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].outputs[0]
+        assert list(out.token_ids) == want
+        assert_no_blocks_in_use(llm.engine)
+
+
+def test_the_config_says_which_layers_are_sparse():
+    raw = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=64,
+               num_hidden_layers=6, num_attention_heads=4, num_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=16, decoder_sparse_step=2, mlp_only_layers=[3])
+    cfg = model_config_from_dict(raw)
+    assert cfg.moe_layers == (1, 5) and cfg.moe_intermediate_size == 16 and cfg.qk_norm
+    mixtral_cfg = model_config_from_dict({**raw, "architectures": ["MixtralForCausalLM"], "num_experts": None,
+                                          "num_local_experts": 4})
+    assert mixtral_cfg.moe_layers == tuple(range(6)) and mixtral_cfg.moe_intermediate_size == 64
+    assert mixtral_cfg.norm_topk_prob
+    with pytest.raises(ValueError, match="needs num_experts"):
+        model_config_from_dict({**raw, "num_experts": None})
+
+
+def edited(folder, tmp_path, change):
+    out = tmp_path / "edited"
+    shutil.copytree(folder, out)
+    tensors = load_file(out / "model.safetensors")
+    change(tensors)
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
+@pytest.mark.parametrize("layout,change,match", [
+    ("per-expert", lambda t: t.pop("model.layers.2.mlp.experts.5.up_proj.weight"),
+     r"model.layers.2.mlp.experts: checkpoint is missing 1 tensor\(s\): model.layers.2.mlp.experts.5.up_proj.weight"),
+    ("fused", lambda t: t.pop("model.layers.0.mlp.experts.down_proj"),
+     r"model.layers.0.mlp.experts: checkpoint is missing 1 tensor\(s\): model.layers.0.mlp.experts.down_proj"),
+    ("per-expert", lambda t: t.update({"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(8, 128, 128)}),
+     "one layout, per expert .* or fused .*; found per expert and fused"),
+    ("fused", lambda t: t.update({"model.layers.0.mlp.experts.gate_up_proj.weight": torch.zeros(8, 128, 128)}),
+     "unexpected tensor 'model.layers.0.mlp.experts.gate_up_proj.weight'"),
+    ("per-expert", lambda t: t.update({"model.layers.0.mlp.experts.8.up_proj.weight": torch.zeros(64, 128)}),
+     "unexpected tensor 'model.layers.0.mlp.experts.8.up_proj.weight'"),
+])
+def test_a_checkpoint_that_would_leave_garbage_experts_is_refused(saved, tmp_path, layout, change, match):
+    folder, _ = saved("qwen3_moe", layout)
+    with pytest.raises(ValueError, match=match):
+        LLM(str(edited(folder, tmp_path, change)), num_blocks=16)
+
+
+def test_tensor_parallel_moe_is_refused_until_it_exists(saved, tmp_path):
+    folder, _ = saved("qwen3_moe", "fused")
+    with pytest.raises(ValueError, match="Mixture-of-Experts layers run at tensor_parallel_size 1 for now, got 2"):
+        LLM(str(folder), num_blocks=16, tensor_parallel_size=2)
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
