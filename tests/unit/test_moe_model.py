@@ -104,6 +104,11 @@ def edited(folder, tmp_path, change):
      "unexpected tensor 'model.layers.0.mlp.experts.gate_up_proj.weight'"),
     ("per-expert", lambda t: t.update({"model.layers.0.mlp.experts.8.up_proj.weight": torch.zeros(64, 128)}),
      "unexpected tensor 'model.layers.0.mlp.experts.8.up_proj.weight'"),
+    ("per-expert", lambda t: t.update({"model.layers.2.mlp.experts.3.down_proj.weight": torch.zeros(128, 64,
+                                                                                                  dtype=torch.int8)}),
+     "tensor 'model.layers.2.mlp.experts.3.down_proj.weight' is int8, expected a float tensor"),
+    ("fused", lambda t: t.update({"model.layers.2.mlp.experts.down_proj": torch.zeros(8, 128, 64, dtype=torch.int8)}),
+     "tensor 'model.layers.2.mlp.experts.down_proj' is int8: quantized experts are not supported yet"),
 ])
 def test_a_checkpoint_that_would_leave_garbage_experts_is_refused(saved, tmp_path, layout, change, match):
     folder, _ = saved("qwen3_moe", layout)

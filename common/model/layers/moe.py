@@ -63,9 +63,9 @@ class SparseMoE(nn.Module):
         e, h, i, p = self.num_experts, self.hidden, self.inter, self.fused_prefix
         return {**self.gate.weight_slots(p + "gate", optional=True),
                 p + "experts.gate_up_proj": Slot(self.w13, 0, e * 2 * i, (e, 2 * i, h), optional=True,
-                                                 convert=lambda t: t.reshape(-1, h)),
+                                                 convert=_stacked(p + "experts.gate_up_proj", h)),
                 p + "experts.down_proj": Slot(self.w2, 0, e * h, (e, h, i), optional=True,
-                                              convert=lambda t: t.reshape(-1, i))}
+                                              convert=_stacked(p + "experts.down_proj", i))}
 
     def weight_slots(self, prefix: str = "") -> dict[str, Slot]:
         """Both layouts' names, optional (the layer knows its names; prefix is unused):
@@ -93,3 +93,14 @@ class SparseMoE(nn.Module):
         w13 = self.w13.view(self.num_experts, 2 * self.inter, self.hidden)
         w2 = self.w2.view(self.num_experts, self.hidden, self.inter)
         return routed_experts(x, weights, ids, w13, w2)
+
+
+def _stacked(name: str, width: int):
+    """The file's [E, rows, width] experts as the parameter's [E * rows, width]; ValueError
+    for integer codes (quantized experts are not read yet: a cast would be garbage)."""
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"tensor {name!r} is {str(t.dtype).removeprefix('torch.')}: quantized experts are not "
+                             f"supported yet; supported: float experts")
+        return t.reshape(-1, width)
+    return convert
