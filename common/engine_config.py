@@ -47,7 +47,12 @@ class EngineConfig:
     instead of a float one: SmolLM2's head is a fifth of its weights and of a decode step's
     reads). It changes the logits (bench/quantize_accuracy.py measures it) and, when tied,
     the embeddings, so every node of a mesh takes it from the one engine section. "none":
-    the head as the checkpoint has it."""
+    the head as the checkpoint has it.
+
+    enable_expert_parallel (vLLM's name): a Mixture-of-Experts model at
+    tensor_parallel_size N places its experts whole, E/N on each rank (attention stays
+    tensor-parallel, the router is on every rank); a MoE model at N > 1 needs it (experts
+    split by columns are not built). Dense models ignore it."""
 
     model: str
     model_id: str = ""
@@ -69,6 +74,7 @@ class EngineConfig:
     borrow_cores: tuple[int, ...] = ()
     w8a8_mix_path: str = "auto"
     lm_head_quantization: str = "none"
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size

@@ -91,7 +91,7 @@ class LLMEngine:
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)   # as the workers do: collectives use the current device
         self.model_config = mcfg = load_model_config(config.model)
-        self.shard = plan_shard(mcfg, tp_size, 0)     # ValueError naming tensor_parallel_size
+        self.shard = plan_shard(mcfg, tp_size, 0, config.enable_expert_parallel)   # ValueError naming the field
         self.backend = get_backend(config.kernel_backend, self.device)
         supported = self.backend.supported_block_sizes()
         self.block_size = config.block_size or (supported[0] if supported else 16)

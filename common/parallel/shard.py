@@ -15,6 +15,13 @@ A rank's query heads all map to KV heads it holds: head h attends with KV head
 h // (H/K), and both ranges above start at the same fraction r/N of their heads.
 Norms (and Qwen3's per-head-dim q/k norms) and the row-parallel biases (o, down) are
 whole on every rank; the biases are added once, after the all-reduce.
+
+A Mixture-of-Experts model's experts are not split by columns but placed whole
+(`enable_expert_parallel`, vLLM's name; expert-parallel size = tensor_parallel_size):
+
+    experts       [r*E/N, (r+1)*E/N)              (E % N == 0); the router is whole on
+                                                  every rank, and the ranks' outputs are
+                                                  summed by the same all-reduce
 """
 from __future__ import annotations
 
@@ -38,6 +45,8 @@ class TPShard:
     vocab_start: int
     vocab_end: int               # exclusive; vocab_end - vocab_start <= vocab_per_rank
     vocab_per_rank: int          # rows of the rank's embedding / lm_head (padded)
+    num_local_experts: int = 0   # a MoE model's experts on this rank: [expert_start, + num_local_experts)
+    expert_start: int = 0
 
     @property
     def head_start(self) -> int:
@@ -49,7 +58,12 @@ def allowed_sizes(cfg: ModelConfig, limit: int = 64) -> list[int]:
     return [n for n in range(1, limit + 1) if _problem(cfg, n) is None]
 
 
-def _problem(cfg: ModelConfig, size: int) -> str | None:
+def _problem(cfg: ModelConfig, size: int, expert_parallel: bool = True) -> str | None:
+    if cfg.moe_layers and size > 1 and not expert_parallel:
+        return ("its Mixture-of-Experts layers need enable_expert_parallel: true (experts split by columns "
+                "are not built)")
+    if cfg.moe_layers and cfg.num_experts % size:
+        return f"num_experts={cfg.num_experts} must be a multiple of it (experts placed whole on each rank)"
     if cfg.num_heads % size:
         return f"num_attention_heads={cfg.num_heads} must be a multiple of it"
     k = cfg.num_kv_heads
@@ -61,18 +75,19 @@ def _problem(cfg: ModelConfig, size: int) -> str | None:
     return None
 
 
-def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
+def check_tensor_parallel(cfg: ModelConfig, size: int, expert_parallel: bool = True) -> None:
     """ValueError naming the field, the reason and the allowed values unless this model
-    can be sharded `size` ways."""
-    problem = _problem(cfg, size)
+    can be sharded `size` ways (a MoE model only with expert_parallel)."""
+    problem = _problem(cfg, size, expert_parallel)
     if problem is not None:
         raise ValueError(f"{FIELD}={size} does not fit {cfg.architecture}: {problem}; "
                          f"allowed: {allowed_sizes(cfg)}")
 
 
-def plan_shard(cfg: ModelConfig, size: int, rank: int) -> TPShard:
-    """Rank `rank`'s part (check_tensor_parallel first; ValueError when it does not fit)."""
-    check_tensor_parallel(cfg, size)
+def plan_shard(cfg: ModelConfig, size: int, rank: int, expert_parallel: bool = True) -> TPShard:
+    """Rank `rank`'s part (check_tensor_parallel first; ValueError when it does not fit).
+    expert_parallel: the engine's enable_expert_parallel (a MoE model at size > 1 needs it)."""
+    check_tensor_parallel(cfg, size, expert_parallel)
     if not 0 <= rank < size:
         raise ValueError(f"rank must be in [0, {size}), got {rank}")
     k = cfg.num_kv_heads
@@ -85,7 +100,8 @@ def plan_shard(cfg: ModelConfig, size: int, rank: int) -> TPShard:
     return TPShard(rank=rank, size=size, num_heads=cfg.num_heads // size, num_kv_heads=num_kv,
                    kv_head_start=kv_start, intermediate_size=cfg.intermediate_size // size,
                    vocab_start=start, vocab_end=min(start + per_rank, cfg.vocab_size),
-                   vocab_per_rank=per_rank)
+                   vocab_per_rank=per_rank, num_local_experts=cfg.num_experts // size,
+                   expert_start=rank * (cfg.num_experts // size))
 
 
 def whole_model(cfg: ModelConfig) -> TPShard:

@@ -137,7 +137,7 @@ def _load(spec: WorkerSpec):
         import torch_npu  # noqa: F401  (untested here: no Ascend device)
         torch.npu.set_device(device)
     mcfg = load_model_config(cfg.model)
-    shard = plan_shard(mcfg, cfg.tensor_parallel_size, spec.rank)
+    shard = plan_shard(mcfg, cfg.tensor_parallel_size, spec.rank, cfg.enable_expert_parallel)
     model, kv_cache = load_rank(mcfg, get_backend(cfg.kernel_backend, device), DTYPE_BY_NAME[spec.dtype], device,
                                 cfg.model, shard, spec.max_model_len, spec.num_blocks, spec.block_size,
                                 resolved_w8a8_mix_path(cfg), cfg.lm_head_quantization == "int8")

@@ -240,11 +240,12 @@ def _check_tensor_parallel(mesh_cfg) -> None:
     otherwise the node would fail to load and be restarted forever."""
     from common.model.config import load_model_config
     from common.parallel.shard import check_tensor_parallel
-    sizes = {mesh_cfg.engine_config(n).tensor_parallel_size for n in mesh_cfg.nodes} - {1}
+    sizes = {(e.tensor_parallel_size, e.enable_expert_parallel)
+             for e in (mesh_cfg.engine_config(n) for n in mesh_cfg.nodes) if e.tensor_parallel_size > 1}
     if sizes:
         model = load_model_config(mesh_cfg.model)
-        for size in sorted(sizes):
-            check_tensor_parallel(model, size)
+        for size, expert_parallel in sorted(sizes):
+            check_tensor_parallel(model, size, expert_parallel)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -116,8 +116,31 @@ def test_a_checkpoint_that_would_leave_garbage_experts_is_refused(saved, tmp_pat
         LLM(str(edited(folder, tmp_path, change)), num_blocks=16)
 
 
-def test_tensor_parallel_moe_is_refused_until_it_exists(saved, tmp_path):
+@pytest.mark.parametrize("family,layout", [("qwen3_moe", "per-expert"), ("qwen3_moe", "fused"),
+                                           ("mixtral", "per-expert")])
+def test_expert_parallel_at_tensor_parallel_2_equals_transformers(saved, family, layout):
+    folder, theirs = saved(family, layout)
+    with torch.no_grad():
+        ref = torch.log_softmax(theirs(torch.tensor([IDS])).logits[0, :-1].double(), -1)
+        want = theirs.generate(torch.tensor([IDS]), max_new_tokens=10, do_sample=False)[0, len(IDS):].tolist()
+    with LLM(str(folder), kernel_backend="cpu", num_blocks=64, tensor_parallel_size=2,
+             enable_expert_parallel=True) as llm:
+        moe = [layer.mlp for layer in llm.engine.model.layers if hasattr(layer.mlp, "num_local")]
+        experts = llm.engine.model_config.num_experts
+        assert moe and all(m.num_local == experts // 2 and m.first == 0 for m in moe)   # rank 0: the first half
+        assert all(m.w13.shape[0] == experts // 2 * 2 * m.inter for m in moe)
+        torch.testing.assert_close(llm.prompt_logprobs_full(IDS).double(), ref, atol=1e-4, rtol=0)
+        out = llm.generate([{"prompt_token_ids": IDS}],
+                           SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].outputs[0]
+        assert list(out.token_ids) == want
+        assert_no_blocks_in_use(llm.engine)
+
+
+def test_tensor_parallel_moe_needs_expert_parallel(saved):
     folder, _ = saved("qwen3_moe", "fused")
-    with pytest.raises(ValueError, match="Mixture-of-Experts layers run at tensor_parallel_size 1 for now, got 2"):
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not fit Qwen3MoeForCausalLM: its "
+                                         "Mixture-of-Experts layers need enable_expert_parallel: true"):
         LLM(str(folder), num_blocks=16, tensor_parallel_size=2)
-    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=8 does not fit MixtralForCausalLM: num_experts=4 must "
+                                         r"be a multiple of it .*; allowed: \[1, 2, 4\]"):
+        LLM(str(saved("mixtral", "fused")[0]), num_blocks=16, tensor_parallel_size=8, enable_expert_parallel=True)

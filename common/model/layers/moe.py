@@ -12,8 +12,11 @@ Checkpoint layouts, both read (one per checkpoint; never a mix, never a tensor d
                   save_pretrained(save_original_format=False), for both families
 
 The experts are held fused either way: w13 [E * 2I, H] (each expert's gate rows then its up
-rows) and w2 [E * H, I], viewed 3-D. Tensor parallelism is not supported for MoE layers
-yet (the model refuses it at construction).
+rows) and w2 [E * H, I], viewed 3-D. Under expert parallelism (common/parallel/shard.py) a
+rank holds experts [expert_start, expert_start + num_local_experts) and reads only theirs
+(the per-expert tensors of the others are ignored by name, the fused ones read in slices);
+every rank routes every token, computes its experts' share, and the group's all-reduce
+sums the shares (vLLM's expert parallelism at data parallel 1).
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ from common.model.layers.moe_router import Router, RouterConfig
 from common.model.layers.weight_slots import Slot, new_param
 
 if TYPE_CHECKING:
+    from common.parallel.group import TPGroup
+    from common.parallel.shard import TPShard
     from kernels import Backend
 
 PER_EXPERT_NAMES = {"qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
@@ -38,33 +43,45 @@ class SparseMoE(nn.Module):
     """layer_prefix: the checkpoint's name of the decoder layer, e.g. "model.layers.3."."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, router: RouterConfig, layer_prefix: str,
-                 dtype: torch.dtype, naming: str = "qwen3_moe"):
+                 dtype: torch.dtype, naming: str = "qwen3_moe", shard: TPShard | None = None):
         super().__init__()
         self.hidden, self.inter, self.num_experts = hidden_size, intermediate_size, router.num_experts
+        self.num_local = shard.num_local_experts if shard is not None and shard.size > 1 else router.num_experts
+        self.first = shard.expert_start if shard is not None and shard.size > 1 else 0
         module, self.names = PER_EXPERT_NAMES[naming]
         self.per_expert_prefix, self.fused_prefix = layer_prefix + module, layer_prefix + FUSED_MODULE
         self.prefix = self.fused_prefix        # for the errors
         self.gate = Router(hidden_size, router, dtype)
-        self.w13 = new_param(self.num_experts * 2 * intermediate_size, hidden_size, dtype=dtype)
-        self.w2 = new_param(self.num_experts * hidden_size, intermediate_size, dtype=dtype)
+        self.w13 = new_param(self.num_local * 2 * intermediate_size, hidden_size, dtype=dtype)
+        self.w2 = new_param(self.num_local * hidden_size, intermediate_size, dtype=dtype)
+        self.group: TPGroup | None = None
+
+    def _expert_names(self, e: int) -> list[str]:
+        p = f"{self.per_expert_prefix}experts.{e}."
+        return [p + name + ".weight" for name in self.names]
 
     def _per_expert_slots(self) -> dict[str, Slot]:
         h, i = self.hidden, self.inter
-        gate, up, down = self.names
         slots = self.gate.weight_slots(self.per_expert_prefix + "gate", optional=True)
-        for e in range(self.num_experts):
-            p = f"{self.per_expert_prefix}experts.{e}."
-            slots[p + gate + ".weight"] = Slot(self.w13, e * 2 * i, e * 2 * i + i, (i, h), optional=True)
-            slots[p + up + ".weight"] = Slot(self.w13, e * 2 * i + i, (e + 1) * 2 * i, (i, h), optional=True)
-            slots[p + down + ".weight"] = Slot(self.w2, e * h, (e + 1) * h, (h, i), optional=True)
+        for local in range(self.num_local):
+            gate, up, down = self._expert_names(self.first + local)
+            slots[gate] = Slot(self.w13, local * 2 * i, local * 2 * i + i, (i, h), optional=True)
+            slots[up] = Slot(self.w13, local * 2 * i + i, (local + 1) * 2 * i, (i, h), optional=True)
+            slots[down] = Slot(self.w2, local * h, (local + 1) * h, (h, i), optional=True)
         return slots
 
+    def other_ranks_tensors(self) -> set[str]:
+        """The per-expert tensor names of the experts this rank does not hold."""
+        mine = range(self.first, self.first + self.num_local)
+        return {n for e in range(self.num_experts) if e not in mine for n in self._expert_names(e)}
+
     def _fused_slots(self) -> dict[str, Slot]:
-        e, h, i, p = self.num_experts, self.hidden, self.inter, self.fused_prefix
+        e, n, h, i, p = self.num_experts, self.num_local, self.hidden, self.inter, self.fused_prefix
+        mine = (slice(self.first, self.first + n),)
         return {**self.gate.weight_slots(p + "gate", optional=True),
-                p + "experts.gate_up_proj": Slot(self.w13, 0, e * 2 * i, (e, 2 * i, h), optional=True,
+                p + "experts.gate_up_proj": Slot(self.w13, 0, n * 2 * i, (e, 2 * i, h), source=mine, optional=True,
                                                  convert=_stacked(p + "experts.gate_up_proj", h)),
-                p + "experts.down_proj": Slot(self.w2, 0, e * h, (e, h, i), optional=True,
+                p + "experts.down_proj": Slot(self.w2, 0, n * h, (e, h, i), source=mine, optional=True,
                                               convert=_stacked(p + "experts.down_proj", i))}
 
     def weight_slots(self, prefix: str = "") -> dict[str, Slot]:
@@ -90,9 +107,10 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
         weights, ids = self.gate(x)
-        w13 = self.w13.view(self.num_experts, 2 * self.inter, self.hidden)
-        w2 = self.w2.view(self.num_experts, self.hidden, self.inter)
-        return routed_experts(x, weights, ids, w13, w2)
+        w13 = self.w13.view(self.num_local, 2 * self.inter, self.hidden)
+        w2 = self.w2.view(self.num_local, self.hidden, self.inter)
+        out = routed_experts(x, weights, ids, w13, w2, first_expert=self.first)
+        return out if self.group is None else self.group.all_reduce(out)
 
 
 def _stacked(name: str, width: int):

@@ -53,7 +53,7 @@ class LlamaDecoderLayer(nn.Module):
             mixtral = cfg.model_type == "mixtral"
             router = RouterConfig("softmax", cfg.num_experts, cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob)
             self.mlp = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, router, prefix, dtype,
-                                 naming="mixtral" if mixtral else "qwen3_moe")
+                                 naming="mixtral" if mixtral else "qwen3_moe", shard=shard)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, shard, quant, prefix + "mlp.", dtype,
                                 bias=cfg.mlp_bias)
@@ -78,9 +78,6 @@ class LlamaForCausalLM(nn.Module):
         self.shard = sh = shard or whole_model(cfg)
         self.quant = quant = quant or FloatConfig()
         self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, sh, dtype)
-        if cfg.moe_layers and sh.size > 1:
-            raise ValueError(f"{cfg.architecture}: Mixture-of-Experts layers run at tensor_parallel_size 1 for now, "
-                             f"got {sh.size}")
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, sh, quant, i, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, sh, dtype,
@@ -102,8 +99,13 @@ class LlamaForCausalLM(nn.Module):
         return slots
 
     def ignored_tensors(self) -> tuple[set[str], tuple[str, ...]]:
-        # a tied checkpoint may still carry a copy of the head; older ones their rotary tables
-        return ({"lm_head.weight"} if self.cfg.tie_word_embeddings else set()), ("rotary_emb.inv_freq",)
+        # a tied checkpoint may still carry a copy of the head; older ones their rotary tables;
+        # under expert parallelism the other ranks' experts are theirs to read
+        names = {"lm_head.weight"} if self.cfg.tie_word_embeddings else set()
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                names |= layer.mlp.other_ranks_tensors()
+        return names, ("rotary_emb.inv_freq",)
 
     def load_weights(self, model_dir: str | Path) -> None:
         """The checkpoint (a HF folder or a .gguf file) into the parameters; a shard reads
@@ -123,6 +125,9 @@ class LlamaForCausalLM(nn.Module):
         self.group = self.embed.group = self.lm_head.group = group
         for _, linear in self.linears():
             linear.attach_group(group)
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.group = group
 
     def prepare_linears(self, lm_head_int8: bool = False) -> None:
         """After load_weights and .to(device), before the first forward: every linear's
