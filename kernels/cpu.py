@@ -98,6 +98,7 @@ class CpuBackend(RefBackend):
     def prepare_int8_weight(self, weight: torch.Tensor) -> Any:
         # _int_mm's right-hand side [in, out] as a transposed view: oneDNN took it 1.6-3x faster
         # for one row than the same matrix made contiguous, and as fast for 2 to 512 rows
+        # (timed by hand on a Zen 4 EPYC, SmolLM2's shapes)
         return weight.t()
 
     def int8_matmul(self, x_q: torch.Tensor, weight: Any) -> torch.Tensor:
