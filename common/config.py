@@ -9,6 +9,8 @@ from typing import Any
 # parts of the config defined apart for their length, re-exported here
 from common.engine_config import DEVICES, DTYPES, KERNEL_BACKENDS, EngineConfig  # noqa: F401
 from common.timeouts import TimeoutConfig  # noqa: F401
+# engine fields a node may not override: nodes exchange KV, and these change what it holds
+MESH_WIDE_ENGINE_FIELDS = {"lm_head_quantization"}
 
 
 def check_optional_port(field: str, port) -> None:
@@ -139,6 +141,9 @@ class NodeConfig:
         unknown = sorted(set(self.engine) - allowed)
         if unknown:
             raise ValueError(f"nodes[{self.node_id}].engine: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+        for name in MESH_WIDE_ENGINE_FIELDS & set(self.engine):
+            raise ValueError(f"nodes[{self.node_id}].engine.{name} is mesh-wide: it changes the embeddings, so "
+                             f"the KV every node writes; set it in the mesh's engine section")
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,8 @@ class EngineConfig:
     runs the head as W8A8 dynamic; a tied embedding looks up the same codes (one int8 matrix
     instead of a float one: SmolLM2's head is a fifth of its weights and of a decode step's
     reads). It changes the logits (bench/quantize_accuracy.py measures it) and, when tied,
-    the embeddings, so every node of a mesh takes it from the one engine section. "none":
+    the embeddings, so every node of a mesh takes it from the one engine section (a node's
+    own engine section may not set it; common/config.py). "none":
     the head as the checkpoint has it.
 
     enable_expert_parallel (vLLM's name): a Mixture-of-Experts model at

@@ -53,9 +53,9 @@ class TPShard:
         return self.rank * self.num_heads
 
 
-def allowed_sizes(cfg: ModelConfig, limit: int = 64) -> list[int]:
+def allowed_sizes(cfg: ModelConfig, limit: int = 64, expert_parallel: bool = True) -> list[int]:
     """The tensor_parallel_size values this model can run at, up to limit."""
-    return [n for n in range(1, limit + 1) if _problem(cfg, n) is None]
+    return [n for n in range(1, limit + 1) if _problem(cfg, n, expert_parallel) is None]
 
 
 def _problem(cfg: ModelConfig, size: int, expert_parallel: bool = True) -> str | None:
@@ -81,7 +81,7 @@ def check_tensor_parallel(cfg: ModelConfig, size: int, expert_parallel: bool = T
     problem = _problem(cfg, size, expert_parallel)
     if problem is not None:
         raise ValueError(f"{FIELD}={size} does not fit {cfg.architecture}: {problem}; "
-                         f"allowed: {allowed_sizes(cfg)}")
+                         f"allowed: {allowed_sizes(cfg, expert_parallel=expert_parallel)}")
 
 
 def plan_shard(cfg: ModelConfig, size: int, rank: int, expert_parallel: bool = True) -> TPShard:

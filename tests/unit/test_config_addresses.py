@@ -51,6 +51,8 @@ def test_a_node_s_engine_fields_override_the_mesh_s():
     ({"model": "/other"}, r"nodes\[p0\].engine: unknown field\(s\) \['model'\]"),
     ({"blocks": 3}, r"nodes\[p0\].engine: unknown field\(s\) \['blocks'\]"),
     ([1, 2], r"nodes\[p0\].engine must be a mapping"),
+    ({"lm_head_quantization": "int8"}, r"nodes\[p0\].engine.lm_head_quantization is mesh-wide: it changes the "
+                                       r"embeddings, so the KV every node writes; set it in the mesh's engine section"),
 ])
 def test_a_node_s_engine_section_names_its_bad_fields(engine, error):
     from common.config import mesh_config_from_dict

@@ -138,8 +138,8 @@ def test_expert_parallel_at_tensor_parallel_2_equals_transformers(saved, family,
 
 def test_tensor_parallel_moe_needs_expert_parallel(saved):
     folder, _ = saved("qwen3_moe", "fused")
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not fit Qwen3MoeForCausalLM: its "
-                                         "Mixture-of-Experts layers need enable_expert_parallel: true"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not fit Qwen3MoeForCausalLM: its "
+                                         r"Mixture-of-Experts layers need enable_expert_parallel: true.*; allowed: \[1\]"):
         LLM(str(folder), num_blocks=16, tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=8 does not fit MixtralForCausalLM: num_experts=4 must "
                                          r"be a multiple of it .*; allowed: \[1, 2, 4\]"):

@@ -48,7 +48,8 @@ class Int8Vocab:
         return (F.embedding(ids, self.codes).to(torch.float32) * F.embedding(ids, self.scale)).to(dtype)
 
     def logits(self, hidden: torch.Tensor, backend: Backend) -> torch.Tensor:
-        """hidden [rows, hidden] -> float32 [rows, vocab rows]."""
+        """hidden [rows, hidden] -> [rows, vocab rows] in hidden's dtype (as a float head's:
+        npu_quant_matmul returns no float32 for a bfloat16 model)."""
         x_q, x_scale = backend.quantize_per_token(hidden.contiguous(), DIVISOR)
         return backend.int8_scaled_matmul(x_q, self.prepared, self._scale_row, row_scale=x_scale,
-                                          out_dtype=torch.float32)
+                                          out_dtype=hidden.dtype)
