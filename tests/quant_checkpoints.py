@@ -188,3 +188,14 @@ def w8a8_reference_model(quant_dir: Path, divisor: float = CT_DIVISOR, tensor_pa
         elif kind in PROJECTIONS:
             module.register_forward_pre_hook(lambda _m, args: (fake_quant_per_token(args[0], divisor),))
     return model
+
+
+def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per position of two log-probability tensors [..., vocab]."""
+    return (p_log.exp() * (p_log - q_log)).sum(-1)
+
+
+# engine arguments under which a quantized model is checked against its float64 reference
+ENGINE_CASES = [dict(kernel_backend="ref"), dict(kernel_backend="cpu"),
+                dict(kernel_backend="cpu", tensor_parallel_size=2), dict(kernel_backend="npu", block_size=128)]
+ENGINE_CASE_IDS = ["ref", "cpu", "cpu-tp2", "npu"]

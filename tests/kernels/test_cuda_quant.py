@@ -5,6 +5,8 @@ and whole quantized models on a GPU against the float64 references of their sche
 needs a CUDA device (skipped without one)."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -13,8 +15,13 @@ from common.model.tiny import make_tiny_model
 from kernels.cuda import CudaBackend
 from tests.c8_checkpoints import c8_reference, patched, write_c8
 from tests.msmodelslim_checkpoints import reference_model, write_msmodelslim
-from tests.quant_checkpoints import (w4a16_reference_model, w8a8_reference_model, write_compressed_tensors_w4a16,
-                                     write_compressed_tensors_w8a8)
+from tests.quant_checkpoints import (
+    kl,
+    w4a16_reference_model,
+    w8a8_reference_model,
+    write_compressed_tensors_w4a16,
+    write_compressed_tensors_w8a8,
+)
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 IDS = [1, 17, 400, 9, 23, 610, 5, 77, 301, 12, 990, 45, 3, 8, 250, 640, 71, 19, 2, 33, 500, 6, 88, 141]
@@ -45,29 +52,17 @@ def test_int8_matmul_on_the_gpu_is_exact(rows, k, n):
 
 
 # ---- whole models on the GPU ---------------------------------------------------------------
-def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
-    return (p_log.exp() * (p_log - q_log)).sum(-1)
-
-
 def on_gpu(model_dir, **kwargs) -> torch.Tensor:
     with LLM(str(model_dir), device="cuda", kernel_backend="cuda", dtype="float32", num_blocks=64, **kwargs) as llm:
         return llm.prompt_logprobs_full(IDS).double().cpu()
 
 
 def close_to(reference, ours: torch.Tensor, context=None) -> None:
-    with torch.no_grad(), (context or _Nothing()):
+    with torch.no_grad(), (context or contextlib.nullcontext()):
         ref64 = torch.log_softmax(reference(torch.tensor([IDS])).logits[0, :-1], -1)
         ref32 = torch.log_softmax(reference.float()(torch.tensor([IDS])).logits[0, :-1].double(), -1)
     ours_kl, fp32_kl = kl(ref64, ours).mean().item(), kl(ref64, ref32).mean().item()
     assert ours_kl <= 1.5 * fp32_kl + 2e-5, (ours_kl, fp32_kl)
-
-
-class _Nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 @pytest.fixture(scope="module")

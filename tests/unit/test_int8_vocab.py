@@ -12,6 +12,7 @@ from common.engine import LLM, SamplingParams
 from common.model.layers.int8_vocab import Int8Vocab
 from kernels import get_backend
 from tests.conftest import assert_no_blocks_in_use
+from tests.quant_checkpoints import ENGINE_CASE_IDS, ENGINE_CASES, kl
 
 IDS = [1, 17, 400, 9, 23, 610, 5, 77, 301, 12, 990, 45, 3, 8, 250, 640, 71, 19, 2, 33]
 
@@ -64,10 +65,6 @@ def test_a_vocabulary_wider_than_npu_quant_matmul_takes_goes_in_slices(npu_op_ca
 
 
 # ---- the model ----------------------------------------------------------------------------
-def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
-    return (p_log.exp() * (p_log - q_log)).sum(-1)
-
-
 def reference(model_dir):
     """transformers in float64 with the vocabulary matrix dequantized from its int8 rows and
     the head's input quantized per token (the hook); `.float()` runs it in float32."""
@@ -93,10 +90,7 @@ def logprobs(model_dir, **kwargs) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["qwen2-tied", "llama-gqa"])
-@pytest.mark.parametrize("kwargs", [dict(kernel_backend="ref"), dict(kernel_backend="cpu"),
-                                    dict(kernel_backend="cpu", tensor_parallel_size=2),
-                                    dict(kernel_backend="npu", block_size=128)],
-                         ids=["ref", "cpu", "cpu-tp2", "npu"])
+@pytest.mark.parametrize("kwargs", ENGINE_CASES, ids=ENGINE_CASE_IDS)
 def test_an_int8_head_is_as_close_to_its_float64_math_as_float32_gets(hf_saved_model, kind, kwargs, request):
     if kwargs["kernel_backend"] == "npu":
         request.getfixturevalue("npu_emulator")

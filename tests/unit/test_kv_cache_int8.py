@@ -21,6 +21,7 @@ from common.model.tiny import make_tiny_model
 from kernels import DecodeMetadata, PrefillMetadata, get_backend
 from kernels.kv_int8 import KVCacheScales, dequantize_kv, quantize_kv
 from tests.c8_checkpoints import c8_reference, patched, write_c8
+from tests.quant_checkpoints import ENGINE_CASE_IDS, ENGINE_CASES, kl
 
 SMALL = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512)
 IDS = list(range(3, 60))
@@ -102,8 +103,9 @@ def test_attention_over_int8_codes_equals_float64_over_the_values(backend, dtype
 
 
 def test_the_npu_emulator_refuses_int8_pages_where_fia_does(npu_emulator):
-    from kernels.testing.fake_torch_npu import ContractError
     import torch_npu as npu
+
+    from kernels.testing.fake_torch_npu import ContractError
     q = torch.randn(2, 1, 128)
     k = torch.zeros(4, 128, 64, dtype=torch.int8)
     ok = dict(block_table=torch.zeros(2, 1, dtype=torch.int32), input_layout="BSH", block_size=128,
@@ -126,19 +128,12 @@ def test_the_npu_emulator_refuses_int8_pages_where_fia_does(npu_emulator):
 
 
 # ---- the model ----------------------------------------------------------------------------
-def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
-    return (p_log.exp() * (p_log - q_log)).sum(-1)
-
-
 def logprobs(model_dir, **kwargs) -> torch.Tensor:
     with LLM(str(model_dir), num_blocks=64, **kwargs) as llm:
         return llm.prompt_logprobs_full(IDS).double()
 
 
-@pytest.mark.parametrize("kwargs", [dict(kernel_backend="ref"), dict(kernel_backend="cpu"),
-                                    dict(kernel_backend="cpu", tensor_parallel_size=2),
-                                    dict(kernel_backend="npu", block_size=128)],
-                         ids=["ref", "cpu", "cpu-tp2", "npu"])
+@pytest.mark.parametrize("kwargs", ENGINE_CASES, ids=ENGINE_CASE_IDS)
 def test_c8_model_is_as_close_to_its_float64_math_as_float32_gets(c8_model, float_model, kwargs, request):
     if kwargs["kernel_backend"] == "npu":
         request.getfixturevalue("npu_emulator")

@@ -20,8 +20,14 @@ from common.model.layers.int8_linear import Int8DynamicLinearMethod
 from common.model.layers.linear import Linear, LinearPart
 from common.model.tiny import make_tiny_model
 from kernels import get_backend
-from tests.quant_checkpoints import (W8A8_CONFIG, fake_quant_per_token, quantize_per_channel, w8a8_reference_model,
-                               write_compressed_tensors_w8a8)
+from tests.quant_checkpoints import (
+    W8A8_CONFIG,
+    fake_quant_per_token,
+    kl,
+    quantize_per_channel,
+    w8a8_reference_model,
+    write_compressed_tensors_w8a8,
+)
 
 SMALL = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512)
 BACKENDS = ("ref", "cpu", "npu")
@@ -73,10 +79,6 @@ def test_the_layer_computes_the_scheme_exactly_where_codes_agree(backend_name):
     assert torch.allclose(got.double()[same_codes], want[same_codes], rtol=1e-5, atol=1e-5)
 
 
-def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
-    return (p_log.exp() * (p_log - q_log)).sum(-1)
-
-
 @pytest.mark.parametrize("backend_name", ["cpu", "ref", "npu"])
 def test_the_model_is_as_close_to_the_float64_scheme_as_float32_gets(w8a8_model, float_model, backend_name,
                                                                      request):
@@ -114,7 +116,10 @@ def test_compressed_tensors_reads_the_layout_back(w8a8_model):
     """The package's own config model and decompressor take our files: the config parses to
     its W8A8 preset and every projection decompresses to codes * scale."""
     from compressed_tensors.compressors import IntQuantizationCompressor
-    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        preset_name_to_scheme,
+    )
     config = QuantizationConfig.model_validate(json.loads((w8a8_model / "config.json").read_text())
                                                ["quantization_config"])
     scheme = config.config_groups["group_0"]
