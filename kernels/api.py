@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.kv_int8 import KVCacheScales
+from kernels.moe import routed_experts
 
 
 @dataclass
@@ -213,6 +214,15 @@ class Backend(ABC):
         """x [rows, 2 * width] holding [gate | up] -> silu(gate) * up [rows, width]."""
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def routed_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                       w2: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+        """A Mixture-of-Experts layer's routed experts (kernels/moe.py has the contract):
+        x [tokens, hidden], the router's weights float32 and ids int64 [tokens, top_k], this
+        rank's experts w13 [num_local, 2 * inter, hidden] (gate rows, then up rows) and w2
+        [num_local, hidden, inter], the first of them first_expert -> this rank's share
+        [tokens, hidden] in x's dtype."""
+        return routed_experts(x, weights, ids, w13, w2, first_expert)
 
     @abstractmethod
     def rotary(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,

@@ -1,4 +1,4 @@
-"""Tiny random Llama / Qwen2 / Qwen3 checkpoints in Hugging Face folder format.
+"""Tiny random Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoints in Hugging Face folder format.
 
 `make_tiny_model(arch, out_dir, seed)` writes, deterministically (same arguments -> the
 same bytes in every file):
@@ -33,7 +33,9 @@ ARCHS = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen"),
     "qwen3": ("Qwen3ForCausalLM", "qwen"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen"),
 }
+MOE_DEFAULTS = {"num_experts": 8, "num_experts_per_tok": 2}     # qwen3_moe: every layer sparse
 # Standard deviations: linear layers use gain / sqrt(fan_in); embeddings and lm_head are
 # scaled so that a unit-RMS hidden state gives logits with std ~= "logit_std".
 _INIT = {
@@ -46,7 +48,8 @@ _INIT = {
     "bias_std": 0.2,
     "norm_jitter": 0.1,
     "special_logit_scale": 0.1,
-    "qk_norm_mean": 2.0,  # qwen3: q.k/sqrt(d) std ~4, as qk_gain gives llama/qwen2
+    "qk_norm_mean": 2.0,
+    "router_gain": 2.0,  # qwen3: q.k/sqrt(d) std ~4, as qk_gain gives llama/qwen2
 }
 
 
@@ -67,12 +70,16 @@ def make_tiny_model(
     rope_theta: float = 10000.0,
     rope_scaling: dict | None = None,
     max_shard_bytes: int | None = None,
+    num_experts: int | None = None,
+    num_experts_per_tok: int | None = None,
 ) -> Path:
     """Write a tiny random HF checkpoint of `arch` into `out_dir` (created) and return it.
 
     intermediate_size defaults to 2.75 * hidden_size rounded to a multiple of 64;
     head_dim to hidden_size // num_heads (qwen2 allows no other value);
-    tie_word_embeddings to True for qwen2 and False otherwise. With max_shard_bytes the
+    tie_word_embeddings to True for qwen2 and False otherwise. qwen3_moe: every layer
+    sparse, num_experts (8) experts of intermediate_size // 4 (rounded up to 16), top
+    num_experts_per_tok (2), renormalised; per-expert tensor names. With max_shard_bytes the
     weights are split by `shard_safetensors`. Existing files of the same names are
     overwritten; other files in out_dir are left alone.
     """
@@ -100,6 +107,15 @@ def make_tiny_model(
         tie_word_embeddings=tie_word_embeddings, rope_theta=rope_theta, rope_scaling=rope_scaling,
         bos_token_id=bos_id if bos_id is not None else eos_id, eos_token_id=eos_id,
     )
+    if arch == "qwen3_moe":
+        experts = num_experts or MOE_DEFAULTS["num_experts"]
+        top_k = num_experts_per_tok or MOE_DEFAULTS["num_experts_per_tok"]
+        if not 1 <= top_k <= experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={experts}], got {top_k}")
+        config.update(num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[], moe_intermediate_size=-(-intermediate_size // 64) * 16)
+    elif num_experts or num_experts_per_tok:
+        raise ValueError(f"num_experts and num_experts_per_tok are for arch qwen3_moe, not {arch!r}")
     special_ids = sorted(tiny.tokenizer.get_added_tokens_decoder())
     tensors = _random_weights(arch, config, seed, special_ids)
     for stale in [out / "model.safetensors.index.json", *out.glob("model-*-of-*.safetensors")]:
@@ -185,11 +201,14 @@ def _random_weights(arch: str, config: dict, seed: int, special_ids: list[int]) 
             t[p + "self_attn.q_proj.bias"] = normal(num_heads * head_dim, std=_INIT["bias_std"])
             t[p + "self_attn.k_proj.bias"] = normal(num_kv_heads * head_dim, std=_INIT["bias_std"])
             t[p + "self_attn.v_proj.bias"] = normal(num_kv_heads * head_dim, std=_INIT["bias_std"])
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3_moe"):
             t[p + "self_attn.q_norm.weight"] = _INIT["qk_norm_mean"] * norm(head_dim)
             t[p + "self_attn.k_norm.weight"] = _INIT["qk_norm_mean"] * norm(head_dim)
         t[p + "self_attn.o_proj.weight"] = linear(hidden, num_heads * head_dim, _INIT["out_gain"])
         t[p + "post_attention_layernorm.weight"] = norm(hidden)
+        if arch == "qwen3_moe":
+            t.update(_random_experts(p + "mlp.", config, linear))
+            continue
         t[p + "mlp.gate_proj.weight"] = linear(inter, hidden, _INIT["mlp_gain"])
         t[p + "mlp.up_proj.weight"] = linear(inter, hidden, _INIT["mlp_gain"])
         t[p + "mlp.down_proj.weight"] = linear(hidden, inter, _INIT["out_gain"])
@@ -202,6 +221,19 @@ def _random_weights(arch: str, config: dict, seed: int, special_ids: list[int]) 
     # Shrink special tokens' output rows (an input row keeps its direction, which is all
     # RMSNorm sees) so greedy decoding practically never emits eos.
     out_proj[special_ids] *= _INIT["special_logit_scale"]
+    return t
+
+
+def _random_experts(prefix: str, config: dict, linear) -> dict[str, torch.Tensor]:
+    """A sparse MLP's gate and experts; the gate sharp enough (logit std ~2) that tokens
+    spread over the experts with clear top-k margins."""
+    hidden, inter = config["hidden_size"], config["moe_intermediate_size"]
+    t = {prefix + "gate.weight": linear(config["num_experts"], hidden, _INIT["router_gain"])}
+    for e in range(config["num_experts"]):
+        p = f"{prefix}experts.{e}."
+        t[p + "gate_proj.weight"] = linear(inter, hidden, _INIT["mlp_gain"])
+        t[p + "up_proj.weight"] = linear(inter, hidden, _INIT["mlp_gain"])
+        t[p + "down_proj.weight"] = linear(hidden, inter, _INIT["out_gain"])
     return t
 
 

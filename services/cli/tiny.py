@@ -8,10 +8,10 @@ import sys
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "make-tiny-model",
-        help="write a tiny random Llama/Qwen2/Qwen3 model folder (HF format)",
+        help="write a tiny random Llama/Qwen2/Qwen3/Qwen3-MoE model folder (HF format)",
         description="Write a deterministic tiny random model: config.json, model.safetensors, tokenizer files.",
     )
-    p.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3"])
+    p.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3", "qwen3_moe"])
     p.add_argument("--out", required=True, help="output folder (created)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden-size", type=int, default=256)
@@ -26,6 +26,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     tie = p.add_mutually_exclusive_group()
     tie.add_argument("--tie-word-embeddings", dest="tie_word_embeddings", action="store_true", default=None)
     tie.add_argument("--no-tie-word-embeddings", dest="tie_word_embeddings", action="store_false")
+    p.add_argument("--num-experts", type=int, default=None, help="qwen3_moe: experts per layer (default 8)")
+    p.add_argument("--num-experts-per-tok", type=int, default=None, help="qwen3_moe: experts a token goes to (default 2)")
     p.add_argument("--max-shard-bytes", type=int, default=None, help="split weights into HF shards of this size")
     p.add_argument("--if-missing", action="store_true", help="do nothing when OUT/config.json exists")
     return p
@@ -47,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
             head_dim=args.head_dim, vocab_size=args.vocab_size,
             max_position_embeddings=args.max_position_embeddings, rope_theta=args.rope_theta,
             tie_word_embeddings=args.tie_word_embeddings, max_shard_bytes=args.max_shard_bytes,
+            num_experts=args.num_experts, num_experts_per_tok=args.num_experts_per_tok,
         )
     except ValueError as e:
         print(f"pdmesh make-tiny-model: error: {e}", file=sys.stderr)

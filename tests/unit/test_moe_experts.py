@@ -1,4 +1,4 @@
-"""The routed experts computed expert by expert (common/model/layers/moe_experts.py) against
+"""The routed experts computed expert by expert (kernels/moe.py) against
 transformers' Qwen3MoeExperts on the same fused weights, and split across ranks (expert
 parallelism): each rank's share for its experts, summing to the whole."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.model.layers.moe_experts import routed_experts
+from kernels.moe import routed_experts
 from common.model.layers.moe_router import RouterConfig, route
 
 HIDDEN, INTER, EXPERTS, TOP_K, TOKENS = 48, 32, 8, 2, 37

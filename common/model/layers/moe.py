@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from common.model.layers.moe_experts import routed_experts
+from common.model.layers.mlp import GatedMLP
 from common.model.layers.moe_router import Router, RouterConfig
 from common.model.layers.weight_slots import Slot, new_param
 
 if TYPE_CHECKING:
+    from common.model.layers.quant_config import QuantizationConfig
     from common.parallel.group import TPGroup
     from common.parallel.shard import TPShard
     from kernels import Backend
@@ -43,11 +44,21 @@ class SparseMoE(nn.Module):
     """layer_prefix: the checkpoint's name of the decoder layer, e.g. "model.layers.3."."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, router: RouterConfig, layer_prefix: str,
-                 dtype: torch.dtype, naming: str = "qwen3_moe", shard: TPShard | None = None):
+                 dtype: torch.dtype, shard: TPShard, quant: QuantizationConfig, naming: str = "qwen3_moe",
+                 shared_intermediate_size: int = 0):
         super().__init__()
         self.hidden, self.inter, self.num_experts = hidden_size, intermediate_size, router.num_experts
-        self.num_local = shard.num_local_experts if shard is not None and shard.size > 1 else router.num_experts
-        self.first = shard.expert_start if shard is not None and shard.size > 1 else 0
+        self.num_local = shard.num_local_experts if shard.size > 1 else router.num_experts
+        self.first = shard.expert_start if shard.size > 1 else 0
+        # DeepSeek's shared experts: one dense gated MLP every token runs, tensor-parallel like
+        # the dense MLP; its partial sums join the routed experts' before the one all-reduce
+        self.shared: GatedMLP | None = None
+        if shared_intermediate_size:
+            self.shared = GatedMLP(hidden_size, shared_intermediate_size, shard, quant,
+                                   layer_prefix + "mlp.shared_experts.", dtype)
+        # tokens routed to each expert (all experts: every rank routes every token), counted
+        # in the step; read and reset by whoever exports expert load
+        self.register_buffer("expert_tokens", torch.zeros(router.num_experts, dtype=torch.int64), persistent=False)
         module, self.names = PER_EXPERT_NAMES[naming]
         self.per_expert_prefix, self.fused_prefix = layer_prefix + module, layer_prefix + FUSED_MODULE
         self.prefix = self.fused_prefix        # for the errors
@@ -87,7 +98,15 @@ class SparseMoE(nn.Module):
     def weight_slots(self, prefix: str = "") -> dict[str, Slot]:
         """Both layouts' names, optional (the layer knows its names; prefix is unused):
         check_layout says whether one came whole."""
-        return {**self._per_expert_slots(), **self._fused_slots()}
+        shared = self.shared.weight_slots(self.per_expert_prefix + "shared_experts.") if self.shared else {}
+        return {**self._per_expert_slots(), **self._fused_slots(), **shared}
+
+    def attach_group(self, group: TPGroup) -> None:
+        """After the model's linears got theirs: the shared experts' row-parallel down
+        projection leaves its partial sums to this layer's one all-reduce."""
+        self.group = group
+        if self.shared is not None:
+            self.shared.down.group = None
 
     def check_layout(self, loaded: set[str]) -> None:
         """After loading: ValueError naming the tensors unless exactly one layout was read
@@ -107,9 +126,12 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
         weights, ids = self.gate(x)
+        self.expert_tokens += torch.bincount(ids.reshape(-1), minlength=self.num_experts)
         w13 = self.w13.view(self.num_local, 2 * self.inter, self.hidden)
         w2 = self.w2.view(self.num_local, self.hidden, self.inter)
-        out = routed_experts(x, weights, ids, w13, w2, first_expert=self.first)
+        out = backend.routed_experts(x, weights, ids, w13, w2, first_expert=self.first)
+        if self.shared is not None:
+            out = out + self.shared(x, backend)
         return out if self.group is None else self.group.all_reduce(out)
 
 

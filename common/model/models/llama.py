@@ -52,8 +52,8 @@ class LlamaDecoderLayer(nn.Module):
         if index in cfg.moe_layers:
             mixtral = cfg.model_type == "mixtral"
             router = RouterConfig("softmax", cfg.num_experts, cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob)
-            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, router, prefix, dtype,
-                                 naming="mixtral" if mixtral else "qwen3_moe", shard=shard)
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, router, prefix, dtype, shard, quant,
+                                 naming="mixtral" if mixtral else "qwen3_moe")
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, shard, quant, prefix + "mlp.", dtype,
                                 bias=cfg.mlp_bias)
@@ -127,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
             linear.attach_group(group)
         for layer in self.layers:
             if isinstance(layer.mlp, SparseMoE):
-                layer.mlp.group = group
+                layer.mlp.attach_group(group)
 
     def prepare_linears(self, lm_head_int8: bool = False) -> None:
         """After load_weights and .to(device), before the first forward: every linear's
@@ -167,6 +167,16 @@ class LlamaForCausalLM(nn.Module):
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x = next_norm(mlp, backend, residual)
         return x
+
+    def expert_tokens(self) -> dict[int, torch.Tensor]:
+        """Layer index -> tokens routed to each expert [num_experts] since the last call
+        (a copy on the CPU; the counters restart at zero): expert load, for the metrics."""
+        counts = {}
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, SparseMoE):
+                counts[i] = layer.mlp.expert_tokens.to("cpu", copy=True)
+                layer.mlp.expert_tokens.zero_()
+        return counts
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 [rows, vocab]; at tensor parallelism every rank computes its vocab
