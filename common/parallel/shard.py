@@ -16,12 +16,15 @@ h // (H/K), and both ranges above start at the same fraction r/N of their heads.
 Norms (and Qwen3's per-head-dim q/k norms) and the row-parallel biases (o, down) are
 whole on every rank; the biases are added once, after the all-reduce.
 
-A Mixture-of-Experts model's experts are not split by columns but placed whole
-(`enable_expert_parallel`, vLLM's name; expert-parallel size = tensor_parallel_size):
+A Mixture-of-Experts model's E experts of intermediate size Ie are either placed whole
+(`enable_expert_parallel`, vLLM's name; expert-parallel size = tensor_parallel_size) or,
+without it, split by columns like the dense MLP:
 
-    experts       [r*E/N, (r+1)*E/N)              (E % N == 0); the router is whole on
-                                                  every rank, and the ranks' outputs are
-                                                  summed by the same all-reduce
+    expert parallel   experts [r*E/N, (r+1)*E/N), whole          (E % N == 0)
+    tensor parallel   every expert, columns [r*Ie/N, (r+1)*Ie/N)  (Ie % N == 0)
+
+The router is whole on every rank either way, and the ranks' outputs are summed by the
+same all-reduce.
 """
 from __future__ import annotations
 
@@ -47,6 +50,8 @@ class TPShard:
     vocab_per_rank: int          # rows of the rank's embedding / lm_head (padded)
     num_local_experts: int = 0   # a MoE model's experts on this rank: [expert_start, + num_local_experts)
     expert_start: int = 0
+    expert_intermediate_size: int = 0   # each local expert's columns: [expert_inter_start, + this)
+    expert_inter_start: int = 0
 
     @property
     def head_start(self) -> int:
@@ -59,11 +64,12 @@ def allowed_sizes(cfg: ModelConfig, limit: int = 64, expert_parallel: bool = Tru
 
 
 def _problem(cfg: ModelConfig, size: int, expert_parallel: bool = True) -> str | None:
-    if cfg.moe_layers and size > 1 and not expert_parallel:
-        return ("its Mixture-of-Experts layers need enable_expert_parallel: true (experts split by columns "
-                "are not built)")
-    if cfg.moe_layers and cfg.num_experts % size:
-        return f"num_experts={cfg.num_experts} must be a multiple of it (experts placed whole on each rank)"
+    if cfg.moe_layers and expert_parallel and cfg.num_experts % size:
+        return (f"num_experts={cfg.num_experts} must be a multiple of it (enable_expert_parallel: experts "
+                f"placed whole on each rank)")
+    if cfg.moe_layers and not expert_parallel and cfg.moe_intermediate_size % size:
+        return (f"moe_intermediate_size={cfg.moe_intermediate_size} must be a multiple of it (experts split "
+                f"by columns; or enable_expert_parallel: true)")
     if cfg.num_heads % size:
         return f"num_attention_heads={cfg.num_heads} must be a multiple of it"
     k = cfg.num_kv_heads
@@ -77,7 +83,8 @@ def _problem(cfg: ModelConfig, size: int, expert_parallel: bool = True) -> str |
 
 def check_tensor_parallel(cfg: ModelConfig, size: int, expert_parallel: bool = True) -> None:
     """ValueError naming the field, the reason and the allowed values unless this model
-    can be sharded `size` ways (a MoE model only with expert_parallel)."""
+    can be sharded `size` ways (a MoE model's experts placed whole with expert_parallel,
+    else split by columns)."""
     problem = _problem(cfg, size, expert_parallel)
     if problem is not None:
         raise ValueError(f"{FIELD}={size} does not fit {cfg.architecture}: {problem}; "
@@ -86,7 +93,8 @@ def check_tensor_parallel(cfg: ModelConfig, size: int, expert_parallel: bool = T
 
 def plan_shard(cfg: ModelConfig, size: int, rank: int, expert_parallel: bool = True) -> TPShard:
     """Rank `rank`'s part (check_tensor_parallel first; ValueError when it does not fit).
-    expert_parallel: the engine's enable_expert_parallel (a MoE model at size > 1 needs it)."""
+    expert_parallel: the engine's enable_expert_parallel (a MoE model's experts placed whole
+    on the ranks rather than split by columns)."""
     check_tensor_parallel(cfg, size, expert_parallel)
     if not 0 <= rank < size:
         raise ValueError(f"rank must be in [0, {size}), got {rank}")
@@ -100,8 +108,17 @@ def plan_shard(cfg: ModelConfig, size: int, rank: int, expert_parallel: bool = T
     return TPShard(rank=rank, size=size, num_heads=cfg.num_heads // size, num_kv_heads=num_kv,
                    kv_head_start=kv_start, intermediate_size=cfg.intermediate_size // size,
                    vocab_start=start, vocab_end=min(start + per_rank, cfg.vocab_size),
-                   vocab_per_rank=per_rank, num_local_experts=cfg.num_experts // size,
-                   expert_start=rank * (cfg.num_experts // size))
+                   vocab_per_rank=per_rank, **_experts(cfg, size, rank, expert_parallel))
+
+
+def _experts(cfg: ModelConfig, size: int, rank: int, expert_parallel: bool) -> dict[str, int]:
+    if expert_parallel or size == 1:
+        per_rank = cfg.num_experts // size
+        return dict(num_local_experts=per_rank, expert_start=rank * per_rank,
+                    expert_intermediate_size=cfg.moe_intermediate_size)
+    columns = cfg.moe_intermediate_size // size
+    return dict(num_local_experts=cfg.num_experts, expert_start=0, expert_intermediate_size=columns,
+                expert_inter_start=rank * columns)
 
 
 def whole_model(cfg: ModelConfig) -> TPShard:

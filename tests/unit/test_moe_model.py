@@ -116,19 +116,26 @@ def test_a_checkpoint_that_would_leave_garbage_experts_is_refused(saved, tmp_pat
         LLM(str(edited(folder, tmp_path, change)), num_blocks=16)
 
 
-@pytest.mark.parametrize("family,layout", [("qwen3_moe", "per-expert"), ("qwen3_moe", "fused"),
-                                           ("mixtral", "per-expert")])
-def test_expert_parallel_at_tensor_parallel_2_equals_transformers(saved, family, layout):
+@pytest.mark.parametrize("family,layout,expert_parallel", [
+    ("qwen3_moe", "per-expert", True), ("qwen3_moe", "fused", True), ("mixtral", "per-expert", True),
+    ("qwen3_moe", "per-expert", False), ("qwen3_moe", "fused", False), ("mixtral", "fused", False)])
+def test_tensor_parallel_2_equals_transformers(saved, family, layout, expert_parallel):
+    """Experts placed whole (expert parallel) or split by columns: the same tokens."""
     folder, theirs = saved(family, layout)
     with torch.no_grad():
         ref = torch.log_softmax(theirs(torch.tensor([IDS])).logits[0, :-1].double(), -1)
         want = theirs.generate(torch.tensor([IDS]), max_new_tokens=10, do_sample=False)[0, len(IDS):].tolist()
     with LLM(str(folder), kernel_backend="cpu", num_blocks=64, tensor_parallel_size=2,
-             enable_expert_parallel=True) as llm:
+             enable_expert_parallel=expert_parallel) as llm:
         moe = [layer.mlp for layer in llm.engine.model.layers if hasattr(layer.mlp, "num_local")]
         experts = llm.engine.model_config.num_experts
-        assert moe and all(m.num_local == experts // 2 and m.first == 0 for m in moe)   # rank 0: the first half
-        assert all(m.w13.shape[0] == experts // 2 * 2 * m.inter for m in moe)
+        assert moe
+        for m in moe:                                                                # rank 0's part
+            if expert_parallel:
+                assert (m.num_local, m.first, m.inter) == (experts // 2, 0, m.full_inter)
+            else:
+                assert (m.num_local, m.first, m.inter, m.inter_start) == (experts, 0, m.full_inter // 2, 0)
+            assert m.w13.shape[0] == m.num_local * 2 * m.inter
         torch.testing.assert_close(llm.prompt_logprobs_full(IDS).double(), ref, atol=1e-4, rtol=0)
         out = llm.generate([{"prompt_token_ids": IDS}],
                            SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].outputs[0]
@@ -136,11 +143,20 @@ def test_expert_parallel_at_tensor_parallel_2_equals_transformers(saved, family,
         assert_no_blocks_in_use(llm.engine)
 
 
-def test_tensor_parallel_moe_needs_expert_parallel(saved):
-    folder, _ = saved("qwen3_moe", "fused")
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not fit Qwen3MoeForCausalLM: its "
-                                         r"Mixture-of-Experts layers need enable_expert_parallel: true.*; allowed: \[1\]"):
-        LLM(str(folder), num_blocks=16, tensor_parallel_size=2)
+def test_tensor_parallel_sizes_a_moe_model_refuses(saved):
     with pytest.raises(ValueError, match=r"tensor_parallel_size=8 does not fit MixtralForCausalLM: num_experts=4 must "
                                          r"be a multiple of it .*; allowed: \[1, 2, 4\]"):
         LLM(str(saved("mixtral", "fused")[0]), num_blocks=16, tensor_parallel_size=8, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not fit Qwen3MoeForCausalLM: moe_intermediate_"
+                                         r"size=64 must be a multiple of it .*; allowed: \[1, 2, 4, 8\]"):
+        LLM(str(saved("qwen3_moe", "fused")[0]), num_blocks=16, tensor_parallel_size=3)
+
+
+def test_columns_of_experts_must_divide():
+    raw = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=64, hidden_size=64, intermediate_size=64,
+               num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8, num_experts=4,
+               num_experts_per_tok=2, moe_intermediate_size=20)
+    from common.parallel.shard import check_tensor_parallel
+    with pytest.raises(ValueError, match=r"moe_intermediate_size=20 must be a multiple of it \(experts split by "
+                                         r"columns; or enable_expert_parallel: true\); allowed: \[1, 2, 4\]"):
+        check_tensor_parallel(model_config_from_dict(raw), 8, expert_parallel=False)

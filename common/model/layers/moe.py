@@ -1,6 +1,6 @@
-"""A sparse Mixture-of-Experts MLP (Qwen3-MoE, Mixtral): a router picks top_k experts per
+"""A sparse Mixture-of-Experts MLP (Qwen3-MoE, Mixtral, DeepSeek's): a router picks top_k experts per
 token (layers/moe_router.py), and each expert's gated MLP runs over the tokens routed to it
-(layers/moe_experts.py).
+(Backend.routed_experts, kernels/moe.py).
 
 Checkpoint layouts, both read (one per checkpoint; never a mix, never a tensor dropped):
 
@@ -12,11 +12,14 @@ Checkpoint layouts, both read (one per checkpoint; never a mix, never a tensor d
                   save_pretrained(save_original_format=False), for both families
 
 The experts are held fused either way: w13 [E * 2I, H] (each expert's gate rows then its up
-rows) and w2 [E * H, I], viewed 3-D. Under expert parallelism (common/parallel/shard.py) a
-rank holds experts [expert_start, expert_start + num_local_experts) and reads only theirs
-(the per-expert tensors of the others are ignored by name, the fused ones read in slices);
-every rank routes every token, computes its experts' share, and the group's all-reduce
-sums the shares (vLLM's expert parallelism at data parallel 1).
+rows) and w2 [E * H, I], viewed 3-D. At tensor parallelism (common/parallel/shard.py) a rank
+holds either experts [expert_start, expert_start + num_local_experts) whole
+(enable_expert_parallel; it reads only theirs: the per-expert tensors of the others are
+ignored by name, the fused ones read in slices) or every expert's columns [inter_start,
+inter_start + I/N) (without it). Every rank routes every token and computes its share; the
+group's one all-reduce sums the shares (vLLM's expert parallelism at data parallel 1).
+DeepSeek's shared experts (a dense gated MLP, `<layer>.mlp.shared_experts.*`) are split by
+columns and join the same all-reduce.
 """
 from __future__ import annotations
 
@@ -47,9 +50,12 @@ class SparseMoE(nn.Module):
                  dtype: torch.dtype, shard: TPShard, quant: QuantizationConfig, naming: str = "qwen3_moe",
                  shared_intermediate_size: int = 0):
         super().__init__()
-        self.hidden, self.inter, self.num_experts = hidden_size, intermediate_size, router.num_experts
-        self.num_local = shard.num_local_experts if shard.size > 1 else router.num_experts
-        self.first = shard.expert_start if shard.size > 1 else 0
+        self.hidden, self.full_inter, self.num_experts = hidden_size, intermediate_size, router.num_experts
+        split = shard.size > 1
+        self.num_local = shard.num_local_experts if split else router.num_experts
+        self.first = shard.expert_start if split else 0
+        self.inter = shard.expert_intermediate_size if split else intermediate_size   # this rank's columns
+        self.inter_start = shard.expert_inter_start if split else 0
         # DeepSeek's shared experts: one dense gated MLP every token runs, tensor-parallel like
         # the dense MLP; its partial sums join the routed experts' before the one all-reduce
         self.shared: GatedMLP | None = None
@@ -63,22 +69,27 @@ class SparseMoE(nn.Module):
         self.per_expert_prefix, self.fused_prefix = layer_prefix + module, layer_prefix + FUSED_MODULE
         self.prefix = self.fused_prefix        # for the errors
         self.gate = Router(hidden_size, router, dtype)
-        self.w13 = new_param(self.num_local * 2 * intermediate_size, hidden_size, dtype=dtype)
-        self.w2 = new_param(self.num_local * hidden_size, intermediate_size, dtype=dtype)
+        self.w13 = new_param(self.num_local * 2 * self.inter, hidden_size, dtype=dtype)
+        self.w2 = new_param(self.num_local * hidden_size, self.inter, dtype=dtype)
         self.group: TPGroup | None = None
 
     def _expert_names(self, e: int) -> list[str]:
         p = f"{self.per_expert_prefix}experts.{e}."
         return [p + name + ".weight" for name in self.names]
 
+    def _columns(self) -> slice | None:
+        """This rank's columns of each expert (None: all of them)."""
+        return None if self.inter == self.full_inter else slice(self.inter_start, self.inter_start + self.inter)
+
     def _per_expert_slots(self) -> dict[str, Slot]:
-        h, i = self.hidden, self.inter
+        h, i, full, cols = self.hidden, self.inter, self.full_inter, self._columns()
+        rows, down_cols = (None, None) if cols is None else ((cols,), (slice(None), cols))
         slots = self.gate.weight_slots(self.per_expert_prefix + "gate", optional=True)
         for local in range(self.num_local):
             gate, up, down = self._expert_names(self.first + local)
-            slots[gate] = Slot(self.w13, local * 2 * i, local * 2 * i + i, (i, h), optional=True)
-            slots[up] = Slot(self.w13, local * 2 * i + i, (local + 1) * 2 * i, (i, h), optional=True)
-            slots[down] = Slot(self.w2, local * h, (local + 1) * h, (h, i), optional=True)
+            slots[gate] = Slot(self.w13, local * 2 * i, local * 2 * i + i, (full, h), rows, optional=True)
+            slots[up] = Slot(self.w13, local * 2 * i + i, (local + 1) * 2 * i, (full, h), rows, optional=True)
+            slots[down] = Slot(self.w2, local * h, (local + 1) * h, (h, full), down_cols, optional=True)
         return slots
 
     def other_ranks_tensors(self) -> set[str]:
@@ -87,13 +98,18 @@ class SparseMoE(nn.Module):
         return {n for e in range(self.num_experts) if e not in mine for n in self._expert_names(e)}
 
     def _fused_slots(self) -> dict[str, Slot]:
-        e, n, h, i, p = self.num_experts, self.num_local, self.hidden, self.inter, self.fused_prefix
-        mine = (slice(self.first, self.first + n),)
+        e, n, h, i, full, p = self.num_experts, self.num_local, self.hidden, self.inter, self.full_inter, self.fused_prefix
+        cols = self._columns()
+        mine = slice(self.first, self.first + n)
+        # split by columns: each expert's gate and up rows are two runs of [E, 2Ie, H], so the
+        # rank reads its experts whole and keeps its runs (down's columns are one slice)
         return {**self.gate.weight_slots(p + "gate", optional=True),
-                p + "experts.gate_up_proj": Slot(self.w13, 0, n * 2 * i, (e, 2 * i, h), source=mine, optional=True,
-                                                 convert=_stacked(p + "experts.gate_up_proj", h)),
-                p + "experts.down_proj": Slot(self.w2, 0, n * h, (e, h, i), source=mine, optional=True,
-                                              convert=_stacked(p + "experts.down_proj", i))}
+                p + "experts.gate_up_proj": Slot(self.w13, 0, n * 2 * i, (e, 2 * full, h), source=(mine,),
+                                                 optional=True, convert=_stacked(p + "experts.gate_up_proj", h, cols,
+                                                                                 full)),
+                p + "experts.down_proj": Slot(self.w2, 0, n * h, (e, h, full),
+                                              source=(mine,) if cols is None else (mine, slice(None), cols),
+                                              optional=True, convert=_stacked(p + "experts.down_proj", i))}
 
     def weight_slots(self, prefix: str = "") -> dict[str, Slot]:
         """Both layouts' names, optional (the layer knows its names; prefix is unused):
@@ -135,12 +151,16 @@ class SparseMoE(nn.Module):
         return out if self.group is None else self.group.all_reduce(out)
 
 
-def _stacked(name: str, width: int):
-    """The file's [E, rows, width] experts as the parameter's [E * rows, width]; ValueError
-    for integer codes (quantized experts are not read yet: a cast would be garbage)."""
+def _stacked(name: str, width: int, gate_up_cols: slice | None = None, full_inter: int = 0):
+    """The file's [E, rows, width] experts as the parameter's [E * rows, width] (with
+    gate_up_cols: of each expert's [gate; up] rows, those columns of both); ValueError for
+    integer codes (quantized experts are not read yet: a cast would be garbage)."""
     def convert(t: torch.Tensor) -> torch.Tensor:
         if not t.dtype.is_floating_point:
             raise ValueError(f"tensor {name!r} is {str(t.dtype).removeprefix('torch.')}: quantized experts are not "
                              f"supported yet; supported: float experts")
+        if gate_up_cols is not None:
+            up = slice(full_inter + gate_up_cols.start, full_inter + gate_up_cols.stop)
+            t = torch.cat([t[:, gate_up_cols], t[:, up]], dim=1)
         return t.reshape(-1, width)
     return convert
