@@ -14,6 +14,7 @@ DEVICES = ("cpu", "cuda", "npu")
 KERNEL_BACKENDS = ("auto", "ref", "cpu", "npu", "cuda")
 W8A8_MIX_PATHS = ("auto", "static", "dynamic")
 LM_HEAD_QUANTIZATIONS = ("none", "int8")    # common/model/layers/int8_vocab.py
+MOE_DISPATCHES = ("all_reduce", "all_to_all")    # common/model/layers/moe_dispatch.py
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,14 @@ class EngineConfig:
 
     enable_expert_parallel (vLLM's name): a Mixture-of-Experts model at
     tensor_parallel_size N places its experts whole, E/N on each rank (attention stays
-    tensor-parallel, the router is on every rank); a MoE model at N > 1 needs it (experts
-    split by columns are not built). Dense models ignore it."""
+    tensor-parallel, the router is on every rank); without it every expert is split by
+    columns over the ranks. Dense models ignore it.
+
+    moe_dispatch: how an expert-parallel layer's tokens reach the ranks holding their
+    experts (common/model/layers/moe_dispatch.py): "all_reduce" (every rank routes every
+    token; one all-reduce sums the shares; the faster at data parallel 1, the default) or
+    "all_to_all" (each rank routes a chunk and sends rows by counts: DeepEP's shape). Needs
+    enable_expert_parallel to mean anything; without it all_to_all is refused."""
 
     model: str
     model_id: str = ""
@@ -76,6 +83,7 @@ class EngineConfig:
     w8a8_mix_path: str = "auto"
     lm_head_quantization: str = "none"
     enable_expert_parallel: bool = False
+    moe_dispatch: str = "all_reduce"
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
@@ -92,6 +100,11 @@ class EngineConfig:
         if self.lm_head_quantization not in LM_HEAD_QUANTIZATIONS:
             raise ValueError(f"lm_head_quantization must be one of {LM_HEAD_QUANTIZATIONS}, "
                              f"got {self.lm_head_quantization!r}")
+        if self.moe_dispatch not in MOE_DISPATCHES:
+            raise ValueError(f"moe_dispatch must be one of {MOE_DISPATCHES}, got {self.moe_dispatch!r}")
+        if self.moe_dispatch == "all_to_all" and not self.enable_expert_parallel:
+            raise ValueError("moe_dispatch: all_to_all needs enable_expert_parallel: true (experts split by "
+                             "columns are summed by the all-reduce); allowed without it: all_reduce")
         for name in ("block_size", "num_blocks", "max_model_len", "num_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = derive), got {getattr(self, name)}")

@@ -129,7 +129,7 @@ class LLMEngine:
                                               self.shard, self.max_model_len, self.num_blocks, self.block_size,
                                               resolved_w8a8_mix_path(config), config.lm_head_quantization == "int8")
         if self.tp is not None:
-            self.model.attach_group(self.tp.wait_ready())
+            self.model.attach_group(self.tp.wait_ready(), config.moe_dispatch)
         self.model_id = config.model_id or Path(config.model).resolve().name
         self.kv_scales_id = self.model.kv_scales_id
         self.layout = layout_key(KVLayout.of_tensor(self.kv_cache, self.kv_scales_id))

@@ -57,8 +57,8 @@ def _backend(name: str, store, rank: int, size: int, timeout: datetime.timedelta
 
 
 class TPGroup:
-    """rank/size plus the three collectives the sharded model and the step broadcast use.
-    all_reduce and gather run on the device's backend; broadcast (the step inputs, CPU
+    """rank/size plus the collectives the sharded model and the step broadcast use.
+    all_reduce, gather, all_gather and all_to_all run on the device's backend; broadcast (the step inputs, CPU
     int64 tensors) on gloo: the same group on cpu, a second one beside nccl / hccl, which
     take device tensors only (vLLM's cpu_group)."""
 
@@ -92,6 +92,21 @@ class TPGroup:
             return out
         self._pg.gather([], [tensor], dist.GatherOptions()).wait()
         return None
+
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's tensor (same shape) concatenated along dim 0, in rank order."""
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._pg.allgather([parts], [tensor.contiguous()]).wait()
+        return torch.cat(parts)
+
+    def all_to_all(self, tensor: torch.Tensor, out_rows: list[int], in_rows: list[int]) -> torch.Tensor:
+        """Rows [sum(in_rows[:j]), + in_rows[j]) of tensor go to rank j; returns the rows
+        received, out_rows[i] of them from rank i, in rank order (every rank's in_rows[j]
+        to rank j must equal rank j's out_rows for it)."""
+        out = tensor.new_empty((sum(out_rows), *tensor.shape[1:]))
+        self._pg.alltoall_base(out, tensor.contiguous(), out_rows, in_rows, dist.AllToAllOptions()).wait()
+        return out
 
 
 def _root(root: int) -> dist.BroadcastOptions:

@@ -111,7 +111,7 @@ def main(spec: WorkerSpec, writes_conn=None) -> None:
     store.set(key + f"ready/{spec.rank}", "1")
     try:
         group = TPGroup(store, spec.rank, size, spec.device, timeout_s=None, name=spec.group_name)
-        runner.model.attach_group(group)
+        runner.model.attach_group(group, spec.config.moe_dispatch)
         with torch.inference_mode():
             _serve(group, runner)
     except BaseException:

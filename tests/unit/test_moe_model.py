@@ -116,18 +116,22 @@ def test_a_checkpoint_that_would_leave_garbage_experts_is_refused(saved, tmp_pat
         LLM(str(edited(folder, tmp_path, change)), num_blocks=16)
 
 
-@pytest.mark.parametrize("family,layout,expert_parallel", [
-    ("qwen3_moe", "per-expert", True), ("qwen3_moe", "fused", True), ("mixtral", "per-expert", True),
-    ("qwen3_moe", "per-expert", False), ("qwen3_moe", "fused", False), ("mixtral", "fused", False)])
-def test_tensor_parallel_2_equals_transformers(saved, family, layout, expert_parallel):
-    """Experts placed whole (expert parallel) or split by columns: the same tokens."""
+@pytest.mark.parametrize("family,layout,expert_parallel,dispatch", [
+    ("qwen3_moe", "per-expert", True, "all_reduce"), ("qwen3_moe", "fused", True, "all_reduce"),
+    ("mixtral", "per-expert", True, "all_reduce"), ("qwen3_moe", "fused", True, "all_to_all"),
+    ("mixtral", "per-expert", True, "all_to_all"), ("qwen3_moe", "per-expert", False, "all_reduce"),
+    ("qwen3_moe", "fused", False, "all_reduce"), ("mixtral", "fused", False, "all_reduce")])
+def test_tensor_parallel_2_equals_transformers(saved, family, layout, expert_parallel, dispatch):
+    """Experts placed whole (expert parallel; tokens dispatched by the all-reduce or by
+    all_to_all) or split by columns: the same tokens, the same expert load counted."""
     folder, theirs = saved(family, layout)
     with torch.no_grad():
         ref = torch.log_softmax(theirs(torch.tensor([IDS])).logits[0, :-1].double(), -1)
         want = theirs.generate(torch.tensor([IDS]), max_new_tokens=10, do_sample=False)[0, len(IDS):].tolist()
     with LLM(str(folder), kernel_backend="cpu", num_blocks=64, tensor_parallel_size=2,
-             enable_expert_parallel=expert_parallel) as llm:
+             enable_expert_parallel=expert_parallel, moe_dispatch=dispatch) as llm:
         moe = [layer.mlp for layer in llm.engine.model.layers if hasattr(layer.mlp, "num_local")]
+        assert [m.dispatch for m in moe] == [dispatch] * len(moe)
         experts = llm.engine.model_config.num_experts
         assert moe
         for m in moe:                                                                # rank 0's part
@@ -137,9 +141,13 @@ def test_tensor_parallel_2_equals_transformers(saved, family, layout, expert_par
                 assert (m.num_local, m.first, m.inter, m.inter_start) == (experts, 0, m.full_inter // 2, 0)
             assert m.w13.shape[0] == m.num_local * 2 * m.inter
         torch.testing.assert_close(llm.prompt_logprobs_full(IDS).double(), ref, atol=1e-4, rtol=0)
+        llm.engine.model.expert_tokens()
         out = llm.generate([{"prompt_token_ids": IDS}],
                            SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].outputs[0]
         assert list(out.token_ids) == want
+        top_k = llm.engine.model_config.num_experts_per_tok          # prompt + 9 decode steps, top_k each
+        assert {i: int(c.sum()) for i, c in llm.engine.model.expert_tokens().items()} == \
+            {i: (len(IDS) + 9) * top_k for i in llm.engine.model_config.moe_layers}
         assert_no_blocks_in_use(llm.engine)
 
 

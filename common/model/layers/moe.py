@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from common.model.layers.mlp import GatedMLP
+from common.model.layers.moe_dispatch import all_to_all_experts
 from common.model.layers.moe_router import Router, RouterConfig
 from common.model.layers.weight_slots import Slot, new_param
 
@@ -72,6 +73,7 @@ class SparseMoE(nn.Module):
         self.w13 = new_param(self.num_local * 2 * self.inter, hidden_size, dtype=dtype)
         self.w2 = new_param(self.num_local * hidden_size, self.inter, dtype=dtype)
         self.group: TPGroup | None = None
+        self.dispatch = "all_reduce"
 
     def _expert_names(self, e: int) -> list[str]:
         p = f"{self.per_expert_prefix}experts.{e}."
@@ -117,10 +119,13 @@ class SparseMoE(nn.Module):
         shared = self.shared.weight_slots(self.per_expert_prefix + "shared_experts.") if self.shared else {}
         return {**self._per_expert_slots(), **self._fused_slots(), **shared}
 
-    def attach_group(self, group: TPGroup) -> None:
+    def attach_group(self, group: TPGroup, dispatch: str = "all_reduce") -> None:
         """After the model's linears got theirs: the shared experts' row-parallel down
-        projection leaves its partial sums to this layer's one all-reduce."""
+        projection leaves its partial sums to this layer's one all-reduce. dispatch: how
+        tokens reach the experts of other ranks (layers/moe_dispatch.py); all_to_all only
+        with the experts placed whole."""
         self.group = group
+        self.dispatch = dispatch if self.num_local < self.num_experts else "all_reduce"
         if self.shared is not None:
             self.shared.down.group = None
 
@@ -141,7 +146,10 @@ class SparseMoE(nn.Module):
             raise ValueError(f"{self.prefix}experts: checkpoint is missing {len(missing)} tensor(s): {shown}")
 
     def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
-        weights, ids = self.gate(x)
+        if self.dispatch == "all_to_all" and self.group is not None:
+            out = all_to_all_experts(self, x, self.group, backend)
+            return out if self.shared is None else out + self.group.all_reduce(self.shared(x, backend))
+        weights, ids = self.gate(x, backend)
         self.expert_tokens += torch.bincount(ids.reshape(-1), minlength=self.num_experts)
         w13 = self.w13.view(self.num_local, 2 * self.inter, self.hidden)
         w2 = self.w2.view(self.num_local, self.hidden, self.inter)

@@ -119,15 +119,16 @@ class LlamaForCausalLM(nn.Module):
     def linears(self) -> Iterator[tuple[str, Linear]]:
         return ((name, m) for name, m in self.named_modules() if isinstance(m, Linear))
 
-    def attach_group(self, group: TPGroup) -> None:
+    def attach_group(self, group: TPGroup, moe_dispatch: str = "all_reduce") -> None:
         """The rank's tensor-parallel group (tensor_parallel_size > 1), before the first
-        forward; the collectives run in the same order on every rank."""
+        forward; the collectives run in the same order on every rank. moe_dispatch: the
+        MoE layers' (layers/moe_dispatch.py)."""
         self.group = self.embed.group = self.lm_head.group = group
         for _, linear in self.linears():
             linear.attach_group(group)
         for layer in self.layers:
             if isinstance(layer.mlp, SparseMoE):
-                layer.mlp.attach_group(group)
+                layer.mlp.attach_group(group, moe_dispatch)
 
     def prepare_linears(self, lm_head_int8: bool = False) -> None:
         """After load_weights and .to(device), before the first forward: every linear's
