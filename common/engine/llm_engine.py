@@ -33,7 +33,7 @@ around each step's forward pass, during which the step reads only its scheduled
 sequences and writes only the KV of their blocks; inside it another thread may call
 what leaves those sequences and their blocks alone (add_request, admit_remote,
 commit_remote, commit_loaded, fail_remote, release, release_quarantine, stats,
-take_outputs), never abort or step.
+expert_tokens, take_outputs), never abort or step.
 """
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ from common.engine_config import resolved_w8a8_mix_path
 from common import cpu_budget
 from common.engine.borrowed_cores import BorrowedCores
 from common.engine.block_manager import BlockManager
+from common.engine.expert_load import ExpertLoad
 from common.engine.step_runner import StepRunner
 from common.engine.sampler import compute_logprobs, sample
 from common.engine.sampling_params import SamplingParams
@@ -130,6 +131,7 @@ class LLMEngine:
                                               resolved_w8a8_mix_path(config), config.lm_head_quantization == "int8")
         if self.tp is not None:
             self.model.attach_group(self.tp.wait_ready(), config.moe_dispatch)
+        self.expert_load = ExpertLoad.of_model(self.model)   # None: a dense model
         self.model_id = config.model_id or Path(config.model).resolve().name
         self.kv_scales_id = self.model.kv_scales_id
         self.layout = layout_key(KVLayout.of_tensor(self.kv_cache, self.kv_scales_id))
@@ -152,6 +154,11 @@ class LLMEngine:
         log.info("engine ready: %s on %s/%s, %s, %d blocks x %d tokens, max_model_len %d (%.1fs)",
                  self.model_id, self.device, self.backend.name, self.dtype, self.num_blocks,
                  self.block_size, self.max_model_len, time.perf_counter() - start)
+        if mcfg.moe_layers:
+            log.info("Mixture of Experts: %d sparse layers, top %d, experts %d of %d a rank (%s)",
+                     len(mcfg.moe_layers), mcfg.num_experts_per_tok, self.shard.num_local_experts, mcfg.num_experts,
+                     "whole model" if config.tensor_parallel_size == 1 else "split by columns" if not config.enable_expert_parallel
+                     else f"expert parallel, {config.moe_dispatch} dispatch")
 
     def close(self, graceful: bool = True) -> None:
         """Stop the tensor-parallel worker processes (idempotent; nothing to do at
@@ -206,6 +213,8 @@ class LLMEngine:
         if seq is None:
             return False
         self.scheduler.abort(seq, writer_settled)
+        if self.expert_load is not None and not self._any_running():
+            self.expert_load.on_idle()
         return True
 
     def release(self, request_id: str) -> bool:
@@ -321,7 +330,12 @@ class LLMEngine:
             logprobs = compute_logprobs(logits, tokens, want)
             for seq, tok, lp in zip(sample_seqs, tokens, logprobs):
                 self._append(seq, tok, lp)
+        if self.expert_load is not None:
+            self.expert_load.after_step(idle=not self._any_running())
         return self.take_outputs()
+
+    def _any_running(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.ready)
 
     def _computed(self, seq: Sequence, n: int) -> None:
         start = seq.num_computed_tokens
@@ -380,6 +394,13 @@ class LLMEngine:
     @property
     def num_used_blocks(self) -> int:
         return self.block_manager.num_used_blocks
+
+    def expert_tokens(self) -> dict[int, list[int]]:
+        """A Mixture-of-Experts model: MoE layer index -> tokens routed to each expert
+        (indexed by expert id) since the engine started; {} for a dense model. Another
+        thread may read it while a step runs (no lock): up to DRAIN_EVERY_STEPS steps old
+        while requests run, exact when none does (common/engine/expert_load.py)."""
+        return self.expert_load.totals() if self.expert_load is not None else {}
 
     def stats(self) -> dict[str, int]:
         """Counts only. Another thread may read them while a step runs (EngineView.snapshot:
