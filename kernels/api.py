@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.kv_int8 import KVCacheScales
-from kernels.moe import routed_experts
+from kernels.moe import routed_experts, sigmoid_grouped_top_k, softmax_top_k
 
 
 @dataclass
@@ -214,6 +214,20 @@ class Backend(ABC):
         """x [rows, 2 * width] holding [gate | up] -> silu(gate) * up [rows, width]."""
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def softmax_top_k(self, logits: torch.Tensor, top_k: int,
+                      renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """A Mixture-of-Experts router's softmax top-k (kernels/moe.py has the contract):
+        logits [tokens, experts] -> (weights float32, ids int64) [tokens, top_k]; the order of
+        the k is the backend's own."""
+        return softmax_top_k(logits, top_k, renormalize)
+
+    def sigmoid_grouped_top_k(self, logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int,
+                              topk_group: int, renormalize: bool,
+                              scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's router (kernels/moe.py has the contract): logits [tokens, experts],
+        bias float32 [experts] or None -> (weights float32, ids int64) [tokens, top_k]."""
+        return sigmoid_grouped_top_k(logits, bias, top_k, n_group, topk_group, renormalize, scaling)
 
     def routed_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
                        w2: torch.Tensor, first_expert: int = 0) -> torch.Tensor:

@@ -8,6 +8,10 @@ Per layer and step:
     int8 (C8) KV cache: K/V quantized by the model (torch ops), decode -> FIA in BSH with
                  key/value antiquant scales; prefill dequantizes the blocks it reads first
     rms_norm  -> torch_npu.npu_rms_norm(...)[0]
+    MoE       -> npu_moe_gating_top_k_softmax (softmax router) or npu_moe_gating_top_k
+                 (DeepSeek-V3's grouped sigmoid), then per layer
+                 npu_moe_init_routing_v2 -> npu_grouped_matmul (w13) -> npu_swiglu ->
+                 npu_grouped_matmul (w2) -> npu_moe_finalize_routing (routed_experts below)
     rotary    -> torch_npu.npu_rotary_mul(x, cos, sin) (rotate-half) on q and k
 
 Attention call, both phases (page attention over the layer's caches):
@@ -37,6 +41,7 @@ from kernels.kv_int8 import KVCacheScales, dequantize_kv
 BLOCK_SIZE = 128
 MASK_SIZE = 2048
 QUANT_MATMUL_MAX_DIM = 65535    # npu_quant_matmul's last dims
+MOE_GATING_MAX_EXPERTS = 2048   # npu_moe_gating_top_k's experts (each group padded to 32)
 _REQUIRED_OPS = ("npu_fused_infer_attention_score", "npu_rms_norm", "npu_rotary_mul")
 
 
@@ -283,6 +288,68 @@ class NpuBackend(Backend):
 
     def rms_norm(self, x, weight, eps: float) -> torch.Tensor:
         return self._npu.npu_rms_norm(x, weight, epsilon=eps)[0]
+
+    def softmax_top_k(self, logits, top_k: int, renormalize: bool):
+        """npu_moe_gating_top_k_softmax on float32 logits (the reference's precision); the
+        renormalisation in torch, as vllm-ascend does."""
+        weights, ids, _ = self._npu.npu_moe_gating_top_k_softmax(logits.float().contiguous(), None, k=top_k)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids.long()
+
+    def sigmoid_grouped_top_k(self, logits, bias, top_k: int, n_group: int, topk_group: int, renormalize: bool,
+                              scaling: float):
+        """npu_moe_gating_top_k (sigmoid, groups scored by their top 2) on float32 logits where
+        its rules allow: it always renormalises a sigmoid's top-k, and takes at most 2048
+        experts in groups of more than 2 (each padded to 32, all within 2048); elsewhere the
+        reference."""
+        experts = logits.shape[-1]
+        per_group = experts // n_group
+        if not renormalize or per_group <= 2 or -(-per_group // 32) * 32 * n_group > MOE_GATING_MAX_EXPERTS:
+            return super().sigmoid_grouped_top_k(logits, bias, top_k, n_group, topk_group, renormalize, scaling)
+        weights, ids, _ = self._npu.npu_moe_gating_top_k(
+            logits.float().contiguous(), top_k, bias=None if bias is None else bias.float(), k_group=topk_group,
+            group_count=n_group, group_select_mode=1, renorm=0, norm_type=1, out_flag=False,
+            routed_scaling_factor=float(scaling), eps=1e-20)
+        return weights, ids.long()
+
+    def routed_experts(self, x, weights, ids, w13, w2, first_expert: int = 0):
+        """This rank's experts' share through the MoE ops (vllm-ascend's all-gather path):
+
+            local = ids - first_expert, every pair of another rank's expert -> num_local
+            init_routing_v2(local, active_expert_range [0, num_local), row_idx_type 0, counts)
+                expanded_x   [P = tokens * top_k, H]: this rank's n pairs sorted by expert, then
+                             P - n rows the op leaves undefined
+                row_idx      [P]: pair (token-major t * top_k + j) -> its row, -1 for the others
+            grouped_matmul(expanded_x[:n], w13^T by expert)  -> swiglu -> grouped_matmul(w2^T)
+            rows [P, H] = the n results, then zeros; the others' pairs point at row P - 1, a zero
+            finalize_routing(rows, scales = weights, row-major index, drop_pad_mode 2)
+
+        The grouped matmul's counts must sum to its rows, so n is read on the host (one
+        sync a layer). The weights go to the op as transposed views ([E, K, N] with the
+        strides of [E, N, K]), which it takes as they are: no copy at load or per call."""
+        num_local, pairs = w13.shape[0], ids.numel()
+        if pairs == 0:
+            return torch.zeros_like(x)
+        local = ids - first_expert
+        local = torch.where((local >= 0) & (local < num_local), local, num_local).to(torch.int32)
+        npu = self._npu
+        expanded_x, row_idx, counts, _ = npu.npu_moe_init_routing_v2(
+            x.contiguous(), local.contiguous(), active_num=pairs, expert_num=num_local + 1,
+            expert_tokens_num_type=1, expert_tokens_num_flag=True, quant_mode=-1,
+            active_expert_range=[0, num_local], row_idx_type=0)
+        mine = int(counts.sum())
+        if mine == 0:
+            return torch.zeros_like(x)
+        gate_up = npu.npu_grouped_matmul([expanded_x[:mine]], [w13.transpose(1, 2)], group_list=counts,
+                                         split_item=2, group_type=0, group_list_type=1)[0]
+        rows = npu.npu_grouped_matmul([npu.npu_swiglu(gate_up, dim=-1)], [w2.transpose(1, 2)], group_list=counts,
+                                      split_item=2, group_type=0, group_list_type=1)[0]
+        if mine < pairs:
+            rows = torch.cat([rows, rows.new_zeros(pairs - mine, rows.shape[1])])
+            row_idx = torch.where(row_idx < 0, pairs - 1, row_idx)
+        return npu.npu_moe_finalize_routing(rows, None, None, None, weights.to(rows.dtype), row_idx, None,
+                                            drop_pad_mode=2)
 
     def rotary(self, positions, query, key, cos, sin):
         """cos/sin [max_pos, D/2] -> [T, 1, D] (both halves) in query's dtype, then

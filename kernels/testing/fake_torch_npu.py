@@ -32,6 +32,9 @@ result with plain torch in float32. Ops and the contracts enforced:
                             kernels/testing/fake_npu_quant.py.
   int8 (C8) KV cache        npu_fused_infer_attention_score with key/value antiquant
                             scales, decode only (BSH, S = 1): kernels/testing/fake_npu_kv_int8.py.
+  Mixture of Experts        npu_moe_gating_top_k(_softmax), npu_moe_init_routing(_v2),
+                            npu_grouped_matmul, npu_swiglu, npu_moe_finalize_routing:
+                            kernels/testing/fake_npu_moe.py.
 
 One relaxation: float32 query/key/value are accepted on CPU tensors (the engine's float32
 tests); on any other device the op's float16/bfloat16 rule applies.
@@ -322,11 +325,12 @@ def install(*, without: tuple[str, ...] = (), scale_keyword: str = "scale",
     mod._pdmesh_emulator = True
     mod.npu = types.SimpleNamespace(is_available=lambda: False, device_count=lambda: 0)
     from kernels.testing.fake_npu_kv_write import _npu_reshape_and_cache, npu_scatter_pa_kv_cache
+    from kernels.testing.fake_npu_moe import OPS as MOE_OPS
     from kernels.testing.fake_npu_quant import OPS as QUANT_OPS
     ops = {"npu_scatter_pa_kv_cache": npu_scatter_pa_kv_cache,
            "_npu_reshape_and_cache": _npu_reshape_and_cache,
            "npu_fused_infer_attention_score": _make_fia(scale_keyword, strict_head_dim),
-           "npu_rms_norm": npu_rms_norm, "npu_rotary_mul": npu_rotary_mul, **QUANT_OPS}
+           "npu_rms_norm": npu_rms_norm, "npu_rotary_mul": npu_rotary_mul, **QUANT_OPS, **MOE_OPS}
     unknown = set(without) - set(ops)
     if unknown:
         raise ValueError(f"without names unknown ops {sorted(unknown)}; ops: {sorted(ops)}")

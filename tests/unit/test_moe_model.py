@@ -4,7 +4,6 @@ transformers 5's fused `save_original_format=False`), and the checkpoints the lo
 refuse: a missing expert, two layouts at once, a tensor no parameter takes."""
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -14,24 +13,7 @@ from safetensors.torch import load_file, save_file
 from common.engine import LLM, SamplingParams
 from common.model.config import model_config_from_dict
 from tests.conftest import assert_no_blocks_in_use
-
-IDS = [1, 17, 400, 9, 23, 610, 5, 77, 301, 12, 990, 45, 3]
-COMMON = dict(vocab_size=1024, hidden_size=128, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4,
-              max_position_embeddings=2048, initializer_range=0.15, bos_token_id=1, eos_token_id=2)
-
-
-def qwen3_moe():
-    import transformers
-    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-        intermediate_size=256, moe_intermediate_size=64, head_dim=32, num_experts=8, num_experts_per_tok=2,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], **COMMON))
-
-
-def mixtral():
-    import transformers
-    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=None, **COMMON))
-
+from tests.moe_checkpoints import IDS, greedy_reference, save
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory, tiny_model):
@@ -40,13 +22,8 @@ def saved(tmp_path_factory, tiny_model):
 
     def get(family: str, layout: str):
         if (family, layout) not in made:
-            torch.manual_seed(7)
-            model = {"qwen3_moe": qwen3_moe, "mixtral": mixtral}[family]().eval()
             out = tmp_path_factory.mktemp(f"{family}-{layout}")
-            model.save_pretrained(out, save_original_format=layout == "per-expert")
-            for f in ("tokenizer.json", "tokenizer_config.json"):
-                shutil.copy(tiny_model("llama") / f, out / f)
-            made[family, layout] = (out, model)
+            made[family, layout] = (out, save(family, layout, out, tiny_model("llama")))
         return made[family, layout]
 
     return get
@@ -59,9 +36,7 @@ def test_moe_model_equals_transformers(saved, family, layout, backend):
     folder, theirs = saved(family, layout)
     names = load_file(folder / "model.safetensors").keys()
     assert any(".experts.0." in n for n in names) == (layout == "per-expert")     # the layout under test
-    with torch.no_grad():
-        ref = torch.log_softmax(theirs(torch.tensor([IDS])).logits[0, :-1].double(), -1)
-        want = theirs.generate(torch.tensor([IDS]), max_new_tokens=10, do_sample=False)[0, len(IDS):].tolist()
+    ref, want = greedy_reference(theirs)
     with LLM(str(folder), kernel_backend=backend, num_blocks=64) as llm:
         torch.testing.assert_close(llm.prompt_logprobs_full(IDS).double(), ref, atol=1e-4, rtol=0)
         out = llm.generate([{"prompt_token_ids": IDS}],
@@ -108,7 +83,8 @@ def edited(folder, tmp_path, change):
                                                                                                   dtype=torch.int8)}),
      "tensor 'model.layers.2.mlp.experts.3.down_proj.weight' is int8, expected a float tensor"),
     ("fused", lambda t: t.update({"model.layers.2.mlp.experts.down_proj": torch.zeros(8, 128, 64, dtype=torch.int8)}),
-     "tensor 'model.layers.2.mlp.experts.down_proj' is int8: quantized experts are not supported yet"),
+     "tensor 'model.layers.2.mlp.experts.down_proj' is int8: fused quantized experts are not supported; "
+     "supported: float fused experts, or int8 experts per expert"),
 ])
 def test_a_checkpoint_that_would_leave_garbage_experts_is_refused(saved, tmp_path, layout, change, match):
     folder, _ = saved("qwen3_moe", layout)
@@ -125,9 +101,7 @@ def test_tensor_parallel_2_equals_transformers(saved, family, layout, expert_par
     """Experts placed whole (expert parallel; tokens dispatched by the all-reduce or by
     all_to_all) or split by columns: the same tokens, the same expert load counted."""
     folder, theirs = saved(family, layout)
-    with torch.no_grad():
-        ref = torch.log_softmax(theirs(torch.tensor([IDS])).logits[0, :-1].double(), -1)
-        want = theirs.generate(torch.tensor([IDS]), max_new_tokens=10, do_sample=False)[0, len(IDS):].tolist()
+    ref, want = greedy_reference(theirs)
     with LLM(str(folder), kernel_backend="cpu", num_blocks=64, tensor_parallel_size=2,
              enable_expert_parallel=expert_parallel, moe_dispatch=dispatch) as llm:
         moe = [layer.mlp for layer in llm.engine.model.layers if hasattr(layer.mlp, "num_local")]
@@ -141,12 +115,12 @@ def test_tensor_parallel_2_equals_transformers(saved, family, layout, expert_par
                 assert (m.num_local, m.first, m.inter, m.inter_start) == (experts, 0, m.full_inter // 2, 0)
             assert m.w13.shape[0] == m.num_local * 2 * m.inter
         torch.testing.assert_close(llm.prompt_logprobs_full(IDS).double(), ref, atol=1e-4, rtol=0)
-        llm.engine.model.expert_tokens()
+        before = llm.engine.expert_tokens()     # the engine drains the model's counters (expert_load.py)
         out = llm.generate([{"prompt_token_ids": IDS}],
                            SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].outputs[0]
         assert list(out.token_ids) == want
         top_k = llm.engine.model_config.num_experts_per_tok          # prompt + 9 decode steps, top_k each
-        assert {i: int(c.sum()) for i, c in llm.engine.model.expert_tokens().items()} == \
+        assert {i: sum(c) - sum(before[i]) for i, c in llm.engine.expert_tokens().items()} == \
             {i: (len(IDS) + 9) * top_k for i in llm.engine.model_config.moe_layers}
         assert_no_blocks_in_use(llm.engine)
 

@@ -13,7 +13,11 @@ what weight. transformers 5 is the reference for every family:
                            topk_group kept, top-k of those; * routed_scaling_factor, never
                            renormalised
 
-    router(x [tokens, hidden]) -> (weights float32 [tokens, top_k], expert_ids int64 [tokens, top_k])
+    router(x [tokens, hidden], backend) -> (weights float32 [tokens, top_k], expert_ids int64 [tokens, top_k])
+
+route() is the reference for every rule; given a kernel backend, the router runs softmax
+top-k and DeepSeek-V3's rule through it (Backend.softmax_top_k, sigmoid_grouped_top_k: on the
+npu backend npu_moe_gating_top_k_softmax and npu_moe_gating_top_k).
 
 The order of the k chosen experts is unspecified (the layer sums over them). The gate is
 replicated on every rank (`<prefix>gate.weight` [num_experts, hidden]; DeepSeek-V3 also
@@ -22,12 +26,17 @@ replicated on every rank (`<prefix>gate.weight` [num_experts, hidden]; DeepSeek-
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from common.model.layers.weight_slots import Slot, new_param
+from kernels.moe import sigmoid_grouped_top_k, softmax_top_k
+
+if TYPE_CHECKING:
+    from kernels import Backend
 
 ROUTING = ("softmax", "deepseek_v3", "deepseek_v2")
 TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -74,20 +83,10 @@ def route(logits: torch.Tensor, cfg: RouterConfig,
           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [tokens, num_experts] -> (weights float32, expert_ids int64), both [tokens, top_k]."""
     if cfg.routing == "softmax":
-        probs = torch.softmax(logits.float(), dim=-1)
-        weights, ids = probs.topk(cfg.top_k, dim=-1)
-        if cfg.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, ids
+        return softmax_top_k(logits, cfg.top_k, cfg.renormalize)
     if cfg.routing == "deepseek_v3":
-        scores = logits.float().sigmoid()
-        choice = scores if bias is None else scores + bias.float()
-        groups = choice.view(-1, cfg.n_group, cfg.num_experts // cfg.n_group).topk(2, dim=-1).values.sum(-1)
-        ids = _keep_best_groups(choice, groups, cfg, float("-inf")).topk(cfg.top_k, dim=-1, sorted=False).indices
-        weights = scores.gather(1, ids)
-        if cfg.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * cfg.routed_scaling_factor, ids
+        return sigmoid_grouped_top_k(logits, bias, cfg.top_k, cfg.n_group, cfg.topk_group, cfg.renormalize,
+                                     cfg.routed_scaling_factor)
     probs = torch.softmax(logits.float(), dim=-1)             # deepseek_v2
     if cfg.topk_method == "group_limited_greedy":
         groups = probs.view(-1, cfg.n_group, cfg.num_experts // cfg.n_group).amax(dim=-1)
@@ -115,6 +114,13 @@ class Router(nn.Module):
             slots[name + ".e_score_correction_bias"] = Slot(self.bias, 0, n, (n,), optional=optional)
         return slots
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, backend: Backend | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """backend None: route() itself (the reference)."""
         logits = F.linear(x.to(self.weight.dtype), self.weight)
-        return route(logits, self.cfg, self.bias)
+        cfg = self.cfg
+        if backend is not None and cfg.routing == "softmax":
+            return backend.softmax_top_k(logits, cfg.top_k, cfg.renormalize)
+        if backend is not None and cfg.routing == "deepseek_v3":
+            return backend.sigmoid_grouped_top_k(logits, self.bias, cfg.top_k, cfg.n_group, cfg.topk_group,
+                                                 cfg.renormalize, cfg.routed_scaling_factor)
+        return route(logits, cfg, self.bias)
