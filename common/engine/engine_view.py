@@ -46,6 +46,11 @@ class EngineView:
         be one step old)."""
         return self.engine.stats()
 
+    def expert_tokens(self) -> dict[int, list[int]]:
+        """A MoE model's tokens per expert per layer since the engine started ({} for a
+        dense model; LLMEngine.expert_tokens: lock-free, exact once no request runs)."""
+        return self.engine.expert_tokens()
+
     @property
     def block_size(self) -> int:
         return self.engine.block_size

@@ -6,9 +6,11 @@ JSON the page draws: services/meta_server/dashboard/cluster_view.py).
 $PDMESH_DASHBOARD, else the mesh `pdmesh up` is running (when its config sets a
 dashboard_port). The admin token comes from --token-file, $PDMESH_ADMIN_TOKEN(_FILE), or,
 for the running mesh's own dashboard, its credentials. --once prints one table and exits.
-Exit code 0; 1 when the dashboard cannot be read at start (the reason on stderr). Once
-running, a failed refresh keeps the last table on screen under a red line with the reason
-(and the time it started failing), and it tries again every interval.
+Under the table, one line per Mixture-of-Experts node: its HOT_EXPERTS most loaded experts,
+each as layer, expert and its share of that layer's routed tokens since the node started
+(expert_lines). Exit code 0; 1 when the dashboard cannot be read at start (the reason on
+stderr). Once running, a failed refresh keeps the last table on screen under a red line
+with the reason (and the time it started failing), and it tries again every interval.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ SEGMENTS = ("used", "quarantined", "cached", "free")
 COLORS = {"used": "red", "quarantined": "magenta", "cached": "yellow", "free": "green"}
 STATE_STYLE = {"up": "green", "draining": "yellow", "down": "red"}
 BAR_WIDTH = 30
+HOT_EXPERTS = 3
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -77,8 +80,35 @@ def _rate(b: float) -> str:
     return f"{b:.0f} B/s"
 
 
+def hot_experts(experts: dict, n: int = HOT_EXPERTS) -> list[tuple[int, int, float]]:
+    """A node's "experts" entry -> its n most loaded (layer, expert, share of the layer's
+    tokens), the highest share first (ties: lower layer, then lower expert); layers that
+    routed nothing are left out."""
+    ranked = []
+    for layer, row in zip(experts["layers"], experts["num_tokens"]):
+        total = sum(row)
+        ranked += [(layer, expert, count / total) for expert, count in enumerate(row) if total]
+    ranked.sort(key=lambda t: (-t[2], t[0], t[1]))
+    return ranked[:n]
+
+
+def expert_lines(doc: dict, n: int = HOT_EXPERTS) -> list[str]:
+    """One line per MoE node (the nodes' order), e.g.
+    `decode-0 hot experts: L2 E5 31.2% · L0 E3 28.1% · L1 E7 25.0%` (share of the layer's tokens)."""
+    lines = []
+    for node in doc["nodes"]:
+        if "experts" not in node:
+            continue
+        hot = hot_experts(node["experts"], n)
+        shown = " · ".join(f"L{layer} E{expert} {100 * share:.1f}%" for layer, expert, share in hot)
+        lines.append(f"{node['node_id']} hot experts: {shown or 'no token routed yet'}")
+    return lines
+
+
 def render(doc: dict):
-    """A rich Table of the /api/cluster document (one row per node, a summary caption)."""
+    """A rich Table of the /api/cluster document (one row per node, a summary caption),
+    followed by the expert_lines when a node serves a MoE model."""
+    from rich.console import Group
     from rich.table import Table
     from rich.text import Text
     r = doc["router"]
@@ -107,7 +137,8 @@ def render(doc: dict):
         table.add_row(n["node_id"], n["role"], Text(state, style=STATE_STYLE.get(n["state"], "")), n["address"],
                       str(n["load"]["running"]), str(n["load"]["waiting"]), _bar(b),
                       *(str(b[k]) for k in SEGMENTS), _rate(n["transfer_bytes_per_s"]))
-    return table
+    lines = expert_lines(doc)
+    return Group(table, *(Text(line) for line in lines)) if lines else table
 
 
 def stale(table, why: str):

@@ -132,7 +132,8 @@ class EngineNode:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.peer_limits = grpc_util.PeerLimits(grpc_util.MAX_CALLS_PER_PEER)   # calls to peer nodes
         self.moved = NodeBytes(self.transfer, self.rank_writers)
-        self.metrics = NodeMetrics(node.node_id, self.engine.snapshot, self.moved)   # served by the node server
+        self.metrics = NodeMetrics(node.node_id, self.engine.snapshot, self.moved,   # served by the node server
+                                   expert_tokens=self.engine.expert_tokens)
 
     def _store_client(self, address: str) -> KVStoreClient | RankStoreClients:
         """The kv-store handle: at TP > 1 one client per rank, each storing that rank's
@@ -189,7 +190,9 @@ class EngineNode:
                                    total_blocks=stats["total_blocks"], stalled=self.stalled,
                                    cached_blocks=stats["cached_blocks"],
                                    quarantined_blocks=stats["quarantined_blocks"],
-                                   transfer_bytes_written=self.moved.bytes_written)
+                                   transfer_bytes_written=self.moved.bytes_written,
+                                   expert_load=[common_pb2.ExpertLoad(layer=layer, num_tokens=row)
+                                                for layer, row in self.engine.expert_tokens().items()])
 
     async def engine_stats(self, pending_transfers: int = 0) -> engine_pb2.EngineStats:
         s = await self.engine.stats()

@@ -13,6 +13,10 @@ lock-free counts of common/engine/engine_view.py, and the transfer engine's byte
   prefix_cache_queries_total, prefix_cache_hits_total   prompt tokens looked up / found
   num_preemptions_total
   kv_transfer_bytes_total{direction}   write: acknowledged by peers; read: from peers
+  moe_expert_tokens_total{layer,expert}   a Mixture-of-Experts model only (ExpertCollector):
+                                 tokens the layer's router sent to the expert (each token
+                                 once per top_k expert), from AsyncEngine.expert_tokens()
+                                 (lock-free; exact once no request runs)
 Observed by the servicers, per request:
   request_queue_time_seconds     arrival at this engine -> admission (StepOutput.queue_s)
   kv_transfer_seconds            prefill nodes: compute done -> every KV write
@@ -72,11 +76,33 @@ class EngineCollector:
         yield moved
 
 
-class NodeMetrics:
-    """One engine node's registry: snapshot and transfer as EngineCollector's. queue_time
-    and kv_transfer are this node's children of the histograms (observe(seconds))."""
+class ExpertCollector:
+    """expert_tokens: () -> MoE layer index -> tokens per expert (AsyncEngine.expert_tokens);
+    no series when it is empty (a dense model). Called on the scraping thread."""
 
-    def __init__(self, node_id: str, snapshot, transfer, registry: CollectorRegistry | None = None):
+    def __init__(self, node_id: str, expert_tokens):
+        self.node_id, self.expert_tokens = node_id, expert_tokens
+
+    def collect(self):
+        counts = self.expert_tokens()
+        if not counts:
+            return
+        family = CounterMetricFamily(name("moe_expert_tokens"),
+                                     "Tokens routed to the expert by the MoE layer's router (once per top_k choice).",
+                                     labels=["node", "layer", "expert"])
+        for layer, row in counts.items():
+            for expert, num_tokens in enumerate(row):
+                family.add_metric([self.node_id, str(layer), str(expert)], num_tokens)
+        yield family
+
+
+class NodeMetrics:
+    """One engine node's registry: snapshot and transfer as EngineCollector's,
+    expert_tokens as ExpertCollector's (None: no expert metrics). queue_time and
+    kv_transfer are this node's children of the histograms (observe(seconds))."""
+
+    def __init__(self, node_id: str, snapshot, transfer, registry: CollectorRegistry | None = None,
+                 expert_tokens=None):
         self.registry = r = registry if registry is not None else CollectorRegistry()
         self.queue_time = Histogram(name("request_queue_time_seconds"), "Arrival at the engine to admission.",
                                     ["node"], buckets=TTFT_BUCKETS, registry=r).labels(node=node_id)
@@ -84,3 +110,5 @@ class NodeMetrics:
                                      "Prefill: compute done to every KV write acknowledged.",
                                      ["node"], buckets=TRANSFER_BUCKETS, registry=r).labels(node=node_id)
         r.register(EngineCollector(node_id, snapshot, transfer))
+        if expert_tokens is not None:
+            r.register(ExpertCollector(node_id, expert_tokens))

@@ -12,7 +12,9 @@ heartbeat's, up to TTL/3 old):
                 "seconds_since_heartbeat", "num_routed",
                 "load": {"running", "waiting", "stalled"},
                 "blocks": {"total", "used", "cached", "free", "quarantined"},
-                "transfer_bytes_written", "transfer_bytes_per_s"}, ...],   # role, id order
+                "transfer_bytes_written", "transfer_bytes_per_s",
+                "experts": {"layers": [int], "num_tokens": [[int]]}}, ...],   # role, id order;
+                                                         # "experts": MoE nodes only
      "totals": {"total", "used", "cached", "free", "quarantined"},         # over up/draining nodes
      "router": {"num_routed", "num_local_prefill", "num_query_blocks", "num_hit_blocks",
                 "prefix_hit_rate"},        # predicted hits on the prefilling node (PrefixIndex)
@@ -24,6 +26,10 @@ Block segments of a node add up to its total:
     held by requests  held until   free, still   free, no
     (not quarantined) writers done a prefix hit  content
 i.e. used = used_blocks - quarantined, cached = cached_blocks, free = free_blocks - cached.
+
+Expert load (a Mixture-of-Experts node): num_tokens[i][e] is how many tokens the router
+of MoE layer layers[i] sent to expert e since the node started (NodeLoad.expert_load);
+the page and `pdmesh top` show each as a share of its layer's sum.
 
 Transfer rates are the difference of a node's transfer_bytes_written between its last
 two heartbeats seen, over their time apart (0 until two were seen; a restarted node's
@@ -56,14 +62,22 @@ def node_blocks(load) -> dict[str, int]:
             "cached": cached, "free": free - cached}
 
 
+def expert_entry(expert_load) -> dict:
+    """NodeLoad.expert_load as the node entry's "experts" (layers in the order reported)."""
+    return {"layers": [e.layer for e in expert_load], "num_tokens": [list(e.num_tokens) for e in expert_load]}
+
+
 def node_entry(status: NodeStatus, bytes_per_s: float = 0.0) -> dict:
     info, load = status.info, status.info.load
-    return {"node_id": info.node_id, "role": info.role, "state": status.state, "address": info.address,
-            "model_id": info.model_id, "seconds_since_heartbeat": round(status.seconds_since_heartbeat, 3),
-            "num_routed": status.num_routed,
-            "load": {"running": load.running, "waiting": load.waiting, "stalled": load.stalled},
-            "blocks": node_blocks(load), "transfer_bytes_written": load.transfer_bytes_written,
-            "transfer_bytes_per_s": round(bytes_per_s, 1)}
+    entry = {"node_id": info.node_id, "role": info.role, "state": status.state, "address": info.address,
+             "model_id": info.model_id, "seconds_since_heartbeat": round(status.seconds_since_heartbeat, 3),
+             "num_routed": status.num_routed,
+             "load": {"running": load.running, "waiting": load.waiting, "stalled": load.stalled},
+             "blocks": node_blocks(load), "transfer_bytes_written": load.transfer_bytes_written,
+             "transfer_bytes_per_s": round(bytes_per_s, 1)}
+    if load.expert_load:
+        entry["experts"] = expert_entry(load.expert_load)
+    return entry
 
 
 def router_entry(router) -> dict:
