@@ -28,8 +28,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from common.model.layers.float_linear import FloatLinearMethod
+from common.model.layers.int8_linear import Int8DynamicLinearMethod
 from common.model.layers.mlp import GatedMLP
 from common.model.layers.moe_dispatch import all_to_all_experts
+from common.model.layers.moe_int8 import Int8ExpertScales
+from kernels.moe import routed_by_expert
 from common.model.layers.moe_router import Router, RouterConfig
 from common.model.layers.weight_slots import Slot, new_param
 
@@ -70,14 +74,23 @@ class SparseMoE(nn.Module):
         self.per_expert_prefix, self.fused_prefix = layer_prefix + module, layer_prefix + FUSED_MODULE
         self.prefix = self.fused_prefix        # for the errors
         self.gate = Router(hidden_size, router, dtype)
-        self.w13 = new_param(self.num_local * 2 * self.inter, hidden_size, dtype=dtype)
-        self.w2 = new_param(self.num_local * hidden_size, self.inter, dtype=dtype)
+        # the experts' quantization (one scheme for all: they are one kind of matmul)
+        method = quant.linear_method([f"{self.per_expert_prefix}experts.{e}.{name}"
+                                      for e in range(self.num_experts) for name in self.names])
+        if not isinstance(method, (FloatLinearMethod, Int8DynamicLinearMethod)):
+            raise ValueError(f"{self.prefix}experts: quantization type {method.scheme} is not supported for experts; "
+                             f"supported: FLOAT, W8A8_DYNAMIC")
+        self.int8 = None if isinstance(method, FloatLinearMethod) else \
+            Int8ExpertScales(self.num_local, self.inter, hidden_size, method)
+        weight_dtype = torch.int8 if self.int8 is not None else dtype
+        self.w13 = new_param(self.num_local * 2 * self.inter, hidden_size, dtype=weight_dtype)
+        self.w2 = new_param(self.num_local * hidden_size, self.inter, dtype=weight_dtype)
         self.group: TPGroup | None = None
         self.dispatch = "all_reduce"
 
-    def _expert_names(self, e: int) -> list[str]:
+    def _expert_names(self, e: int, suffix: str = "weight") -> list[str]:
         p = f"{self.per_expert_prefix}experts.{e}."
-        return [p + name + ".weight" for name in self.names]
+        return [f"{p}{name}.{suffix}" for name in self.names]
 
     def _columns(self) -> slice | None:
         """This rank's columns of each expert (None: all of them)."""
@@ -92,12 +105,16 @@ class SparseMoE(nn.Module):
             slots[gate] = Slot(self.w13, local * 2 * i, local * 2 * i + i, (full, h), rows, optional=True)
             slots[up] = Slot(self.w13, local * 2 * i + i, (local + 1) * 2 * i, (full, h), rows, optional=True)
             slots[down] = Slot(self.w2, local * h, (local + 1) * h, (h, full), down_cols, optional=True)
+            if self.int8 is not None:
+                gate, up, down = self._expert_names(self.first + local, "")
+                slots.update(self.int8.slots(local, gate, up, down, full, rows))
         return slots
 
     def other_ranks_tensors(self) -> set[str]:
         """The per-expert tensor names of the experts this rank does not hold."""
         mine = range(self.first, self.first + self.num_local)
-        return {n for e in range(self.num_experts) if e not in mine for n in self._expert_names(e)}
+        suffixes = ["weight", *(self.int8.suffixes() if self.int8 is not None else ())]
+        return {n for e in range(self.num_experts) if e not in mine for s in suffixes for n in self._expert_names(e, s)}
 
     def _fused_slots(self) -> dict[str, Slot]:
         e, n, h, i, full, p = self.num_experts, self.num_local, self.hidden, self.inter, self.full_inter, self.fused_prefix
@@ -145,15 +162,27 @@ class SparseMoE(nn.Module):
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"{self.prefix}experts: checkpoint is missing {len(missing)} tensor(s): {shown}")
 
+    def prepare(self, backend: Backend) -> None:
+        """After loading and .to(device): int8 experts take the backend's form."""
+        if self.int8 is not None:
+            self.int8.prepare(self.w13, self.w2, backend, self.prefix)
+
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, backend: Backend,
+                    first_expert: int) -> torch.Tensor:
+        """This rank's experts over the (token, choice) pairs routed to them (kernels/moe.py)."""
+        if self.int8 is not None:
+            return routed_by_expert(x, weights, ids, self.num_local, self.int8.expert_mlp(backend), first_expert)
+        w13 = self.w13.view(self.num_local, 2 * self.inter, self.hidden)
+        w2 = self.w2.view(self.num_local, self.hidden, self.inter)
+        return backend.routed_experts(x, weights, ids, w13, w2, first_expert=first_expert)
+
     def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
         if self.dispatch == "all_to_all" and self.group is not None:
             out = all_to_all_experts(self, x, self.group, backend)
             return out if self.shared is None else out + self.group.all_reduce(self.shared(x, backend))
         weights, ids = self.gate(x, backend)
         self.expert_tokens += torch.bincount(ids.reshape(-1), minlength=self.num_experts)
-        w13 = self.w13.view(self.num_local, 2 * self.inter, self.hidden)
-        w2 = self.w2.view(self.num_local, self.hidden, self.inter)
-        out = backend.routed_experts(x, weights, ids, w13, w2, first_expert=self.first)
+        out = self.run_experts(x, weights, ids, backend, self.first)
         if self.shared is not None:
             out = out + self.shared(x, backend)
         return out if self.group is None else self.group.all_reduce(out)
@@ -162,11 +191,12 @@ class SparseMoE(nn.Module):
 def _stacked(name: str, width: int, gate_up_cols: slice | None = None, full_inter: int = 0):
     """The file's [E, rows, width] experts as the parameter's [E * rows, width] (with
     gate_up_cols: of each expert's [gate; up] rows, those columns of both); ValueError for
-    integer codes (quantized experts are not read yet: a cast would be garbage)."""
+    integer codes (quantized experts are read per expert, with their scales)."""
     def convert(t: torch.Tensor) -> torch.Tensor:
         if not t.dtype.is_floating_point:
-            raise ValueError(f"tensor {name!r} is {str(t.dtype).removeprefix('torch.')}: quantized experts are not "
-                             f"supported yet; supported: float experts")
+            raise ValueError(f"tensor {name!r} is {str(t.dtype).removeprefix('torch.')}: fused quantized experts "
+                             f"are not supported; supported: float fused experts, or int8 experts per expert "
+                             f"(experts.N.gate_proj.weight with its weight_scale)")
         if gate_up_cols is not None:
             up = slice(full_inter + gate_up_cols.start, full_inter + gate_up_cols.stop)
             t = torch.cat([t[:, gate_up_cols], t[:, up]], dim=1)

@@ -38,7 +38,7 @@ def all_to_all_experts(layer: SparseMoE, x: torch.Tensor, group: TPGroup, backen
     tokens = x.shape[0]
     chunk = -(-tokens // n)
     mine = x[rank * chunk:min((rank + 1) * chunk, tokens)]
-    weights, ids = layer.gate(mine)
+    weights, ids = layer.gate(mine, backend)
     top_k = ids.shape[1]
     counts = torch.bincount(ids.reshape(-1), minlength=layer.num_experts)
     every = group.all_gather(counts[None]).view(n, n, num_local)          # [source, owner, local expert]
@@ -49,11 +49,9 @@ def all_to_all_experts(layer: SparseMoE, x: torch.Tensor, group: TPGroup, backen
     order = ids.reshape(-1).argsort(stable=True)                           # pairs sorted by expert
     rows = order // top_k
     received = group.all_to_all(mine[rows], recv_rows, send_rows)
-    local_ids = torch.arange(num_local).repeat(n).repeat_interleave(from_each.reshape(-1))
-    w13 = layer.w13.view(num_local, 2 * layer.inter, layer.hidden)
-    w2 = layer.w2.view(num_local, layer.hidden, layer.inter)
-    ones = torch.ones(received.shape[0], 1, dtype=torch.float32)
-    out_rows = backend.routed_experts(received, ones, local_ids[:, None], w13, w2)
+    local_ids = torch.arange(num_local, device=x.device).repeat(n).repeat_interleave(from_each.reshape(-1))
+    ones = torch.ones(received.shape[0], 1, dtype=torch.float32, device=x.device)
+    out_rows = layer.run_experts(received, ones, local_ids[:, None], backend, first_expert=0)
     back = group.all_to_all(out_rows, send_rows, recv_rows)
     pair_weights = weights.reshape(-1)[order].to(x.dtype)[:, None]
     padded = x.new_zeros(chunk, x.shape[1])

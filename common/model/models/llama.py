@@ -143,6 +143,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             if layer.self_attn.kv_int8 is not None:
                 layer.self_attn.kv_int8.prepare()
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.prepare(self.backend)
         self.lm_head.prepare(self.backend, int8=lm_head_int8)
         if lm_head_int8:
             name = "embed.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
