@@ -229,13 +229,20 @@ class Backend(ABC):
         bias float32 [experts] or None -> (weights float32, ids int64) [tokens, top_k]."""
         return sigmoid_grouped_top_k(logits, bias, top_k, n_group, topk_group, renormalize, scaling)
 
+    def prepare_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[Any, Any]:
+        """A MoE layer's float experts, w13 [num_local, 2 * inter, hidden] and w2 [num_local,
+        hidden, inter], in the form `routed_experts` takes them (as prepare_linear does for a
+        linear layer's weight); the caller drops its dense storage when the result is not
+        them. Default: as is."""
+        return w13, w2
+
     def routed_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
                        w2: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
         """A Mixture-of-Experts layer's routed experts (kernels/moe.py has the contract):
         x [tokens, hidden], the router's weights float32 and ids int64 [tokens, top_k], this
         rank's experts w13 [num_local, 2 * inter, hidden] (gate rows, then up rows) and w2
-        [num_local, hidden, inter], the first of them first_expert -> this rank's share
-        [tokens, hidden] in x's dtype."""
+        [num_local, hidden, inter] as prepare_experts returned them, the first of them
+        first_expert -> this rank's share [tokens, hidden] in x's dtype."""
         return routed_experts(x, weights, ids, w13, w2, first_expert)
 
     @abstractmethod

@@ -34,6 +34,15 @@ def softmax_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[
     return weights, ids
 
 
+def keep_best_groups(choice: torch.Tensor, group_scores: torch.Tensor, topk_group: int,
+                     fill: float) -> torch.Tensor:
+    """choice [tokens, experts] with every expert outside the topk_group best of the groups
+    (group_scores [tokens, n_group], experts in equal consecutive runs) set to fill."""
+    best = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return choice.masked_fill(~keep.repeat_interleave(choice.shape[1] // group_scores.shape[1], dim=1), fill)
+
+
 def sigmoid_grouped_top_k(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int,
                           topk_group: int, renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's router: logits [tokens, experts] -> (weights float32, ids int64) [tokens,
@@ -43,10 +52,7 @@ def sigmoid_grouped_top_k(logits: torch.Tensor, bias: torch.Tensor | None, top_k
     scores = logits.float().sigmoid()
     choice = scores if bias is None else scores + bias.float()
     groups = choice.view(choice.shape[0], n_group, -1).topk(2, dim=-1).values.sum(-1)
-    best = groups.topk(topk_group, dim=-1, sorted=False).indices
-    keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, best, True)
-    choice = choice.masked_fill(~keep.repeat_interleave(choice.shape[1] // n_group, dim=1), float("-inf"))
-    ids = choice.topk(top_k, dim=-1, sorted=False).indices
+    ids = keep_best_groups(choice, groups, topk_group, float("-inf")).topk(top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

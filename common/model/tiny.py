@@ -48,8 +48,8 @@ _INIT = {
     "bias_std": 0.2,
     "norm_jitter": 0.1,
     "special_logit_scale": 0.1,
-    "qk_norm_mean": 2.0,
-    "router_gain": 2.0,  # qwen3: q.k/sqrt(d) std ~4, as qk_gain gives llama/qwen2
+    "qk_norm_mean": 2.0,  # qwen3: q.k/sqrt(d) std ~4, as qk_gain gives llama/qwen2
+    "router_gain": 2.0,   # qwen3_moe: router logit std ~2, clear top-k margins
 }
 
 

@@ -93,7 +93,6 @@ class TPGroup:
         self._pg.gather([], [tensor], dist.GatherOptions()).wait()
         return None
 
-
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's tensor (same shape) concatenated along dim 0, in rank order."""
         parts = [torch.empty_like(tensor) for _ in range(self.size)]

@@ -23,8 +23,8 @@ without it, split by columns like the dense MLP:
     expert parallel   experts [r*E/N, (r+1)*E/N), whole          (E % N == 0)
     tensor parallel   every expert, columns [r*Ie/N, (r+1)*Ie/N)  (Ie % N == 0)
 
-The router is whole on every rank either way, and the ranks' outputs are summed by the
-same all-reduce.
+The router is whole on every rank either way; the ranks' shares are summed by the layer's
+all-reduce (or travel by all_to_all: common/model/layers/moe_dispatch.py).
 """
 from __future__ import annotations
 

@@ -108,21 +108,39 @@ def test_tensor_parallel_2_equals_transformers(saved, family, layout, expert_par
         assert [m.dispatch for m in moe] == [dispatch] * len(moe)
         experts = llm.engine.model_config.num_experts
         assert moe
-        for m in moe:                                                                # rank 0's part
-            if expert_parallel:
+        for i, m in ((i, layer.mlp) for i, layer in enumerate(llm.engine.model.layers) if layer.mlp in moe):
+            if expert_parallel:                                                      # rank 0's part
                 assert (m.num_local, m.first, m.inter) == (experts // 2, 0, m.full_inter)
             else:
                 assert (m.num_local, m.first, m.inter, m.inter_start) == (experts, 0, m.full_inter // 2, 0)
-            assert m.w13.shape[0] == m.num_local * 2 * m.inter
+            assert llm.engine.model.dense_bytes[f"layers.{i}.mlp.w13"] == m.num_local * 2 * m.inter * m.hidden * 4
         torch.testing.assert_close(llm.prompt_logprobs_full(IDS).double(), ref, atol=1e-4, rtol=0)
-        before = llm.engine.expert_tokens()     # the engine drains the model's counters (expert_load.py)
-        out = llm.generate([{"prompt_token_ids": IDS}],
-                           SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].outputs[0]
-        assert list(out.token_ids) == want
-        top_k = llm.engine.model_config.num_experts_per_tok          # prompt + 9 decode steps, top_k each
-        assert {i: sum(c) - sum(before[i]) for i, c in llm.engine.expert_tokens().items()} == \
-            {i: (len(IDS) + 9) * top_k for i in llm.engine.model_config.moe_layers}
+        tokens, counts = generate_counting(llm)
+        assert tokens == want
+        assert counts == whole_model_counts(folder)      # per layer, per expert: as at TP 1
         assert_no_blocks_in_use(llm.engine)
+
+
+_COUNTS: dict = {}
+
+
+def generate_counting(llm) -> tuple[list[int], dict[int, list[int]]]:
+    """Greedy 10 tokens of IDS, and the tokens each expert got meanwhile per MoE layer (the
+    engine's totals before and after: common/engine/expert_load.py)."""
+    before = llm.engine.expert_tokens()
+    out = llm.generate([{"prompt_token_ids": IDS}],
+                       SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].outputs[0]
+    counts = {i: [a - b for a, b in zip(c, before[i])] for i, c in llm.engine.expert_tokens().items()}
+    top_k = llm.engine.model_config.num_experts_per_tok          # prompt + 9 decode steps, top_k each
+    assert {i: sum(c) for i, c in counts.items()} == {i: (len(IDS) + 9) * top_k for i in llm.engine.model_config.moe_layers}
+    return list(out.token_ids), counts
+
+
+def whole_model_counts(folder) -> dict[int, list[int]]:
+    if folder not in _COUNTS:
+        with LLM(str(folder), kernel_backend="cpu", num_blocks=64) as llm:
+            _COUNTS[folder] = generate_counting(llm)[1]
+    return _COUNTS[folder]
 
 
 def test_tensor_parallel_sizes_a_moe_model_refuses(saved):
@@ -142,3 +160,12 @@ def test_columns_of_experts_must_divide():
     with pytest.raises(ValueError, match=r"moe_intermediate_size=20 must be a multiple of it \(experts split by "
                                          r"columns; or enable_expert_parallel: true\); allowed: \[1, 2, 4\]"):
         check_tensor_parallel(model_config_from_dict(raw), 8, expert_parallel=False)
+
+
+def test_moe_dispatch_is_validated():
+    from common.engine_config import EngineConfig
+    with pytest.raises(ValueError, match=r"moe_dispatch must be one of \('all_reduce', 'all_to_all'\), got 'deepep'"):
+        EngineConfig(model="m", moe_dispatch="deepep")
+    with pytest.raises(ValueError, match=r"moe_dispatch: all_to_all needs enable_expert_parallel: true .*; allowed "
+                                         r"without it: all_reduce"):
+        EngineConfig(model="m", tensor_parallel_size=2, moe_dispatch="all_to_all")

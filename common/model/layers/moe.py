@@ -16,10 +16,12 @@ rows) and w2 [E * H, I], viewed 3-D. At tensor parallelism (common/parallel/shar
 holds either experts [expert_start, expert_start + num_local_experts) whole
 (enable_expert_parallel; it reads only theirs: the per-expert tensors of the others are
 ignored by name, the fused ones read in slices) or every expert's columns [inter_start,
-inter_start + I/N) (without it). Every rank routes every token and computes its share; the
-group's one all-reduce sums the shares (vLLM's expert parallelism at data parallel 1).
-DeepSeek's shared experts (a dense gated MLP, `<layer>.mlp.shared_experts.*`) are split by
-columns and join the same all-reduce.
+inter_start + I/N) (without it). With the all_reduce dispatch (the default) every rank
+routes every token and computes its share, and the group's one all-reduce sums the shares
+(vLLM's expert parallelism at data parallel 1); DeepSeek's shared experts (a dense gated
+MLP, `<layer>.mlp.shared_experts.*`, split by columns) join that all-reduce. With
+all_to_all (layers/moe_dispatch.py) the tokens travel to their experts' ranks and back,
+and the shared experts get an all-reduce of their own.
 """
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ class SparseMoE(nn.Module):
         self.register_buffer("expert_tokens", torch.zeros(router.num_experts, dtype=torch.int64), persistent=False)
         module, self.names = PER_EXPERT_NAMES[naming]
         self.per_expert_prefix, self.fused_prefix = layer_prefix + module, layer_prefix + FUSED_MODULE
-        self.prefix = self.fused_prefix        # for the errors
+        self.prefix = self.per_expert_prefix        # for the errors (Mixtral's: block_sparse_moe.)
         self.gate = Router(hidden_size, router, dtype)
         # the experts' quantization (one scheme for all: they are one kind of matmul)
         method = quant.linear_method([f"{self.per_expert_prefix}experts.{e}.{name}"
@@ -87,6 +89,7 @@ class SparseMoE(nn.Module):
         self.w2 = new_param(self.num_local * hidden_size, self.inter, dtype=weight_dtype)
         self.group: TPGroup | None = None
         self.dispatch = "all_reduce"
+        self.prepared: tuple | None = None      # the float experts in the backend's form (prepare)
 
     def _expert_names(self, e: int, suffix: str = "weight") -> list[str]:
         p = f"{self.per_expert_prefix}experts.{e}."
@@ -141,8 +144,9 @@ class SparseMoE(nn.Module):
         projection leaves its partial sums to this layer's one all-reduce. dispatch: how
         tokens reach the experts of other ranks (layers/moe_dispatch.py); all_to_all only
         with the experts placed whole."""
-        self.group = group
-        self.dispatch = dispatch if self.num_local < self.num_experts else "all_reduce"
+        if dispatch == "all_to_all" and self.num_local == self.num_experts:
+            raise ValueError("moe_dispatch: all_to_all needs the experts placed whole (enable_expert_parallel: true)")
+        self.group, self.dispatch = group, dispatch
         if self.shared is not None:
             self.shared.down.group = None
 
@@ -162,18 +166,27 @@ class SparseMoE(nn.Module):
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"{self.prefix}experts: checkpoint is missing {len(missing)} tensor(s): {shown}")
 
+    def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        n, i, h = self.num_local, self.inter, self.hidden
+        return self.w13.data.view(n, 2 * i, h), self.w2.data.view(n, h, i)
+
     def prepare(self, backend: Backend) -> None:
-        """After loading and .to(device): int8 experts take the backend's form."""
+        """After loading and .to(device), once: the experts take the backend's form (the
+        dense storage released when the backend made another)."""
         if self.int8 is not None:
-            self.int8.prepare(self.w13, self.w2, backend, self.prefix)
+            self.int8.prepare(self.w13, self.w2, backend, lambda local: self._expert_names(self.first + local, ""))
+            return
+        w13, w2 = self._views()
+        self.prepared = backend.prepare_experts(w13, w2)
+        if self.prepared[0] is not w13:
+            self.w13.data, self.w2.data = self.w13.data.new_empty(0), self.w2.data.new_empty(0)
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, backend: Backend,
                     first_expert: int) -> torch.Tensor:
         """This rank's experts over the (token, choice) pairs routed to them (kernels/moe.py)."""
         if self.int8 is not None:
             return routed_by_expert(x, weights, ids, self.num_local, self.int8.expert_mlp(backend), first_expert)
-        w13 = self.w13.view(self.num_local, 2 * self.inter, self.hidden)
-        w2 = self.w2.view(self.num_local, self.hidden, self.inter)
+        w13, w2 = self.prepared if self.prepared is not None else self._views()
         return backend.routed_experts(x, weights, ids, w13, w2, first_expert=first_expert)
 
     def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:

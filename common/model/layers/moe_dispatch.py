@@ -15,7 +15,7 @@ whole batch (attention is tensor-parallel, data parallel is 1).
                   the all-gather: the shape of DeepEP / Ascend MC2 dispatch, which pays off
                   when data parallelism gives each rank tokens of its own.
 
-bench/moe_dispatch.py measures both on gloo; all_reduce is the default (faster at DP 1).
+bench/moe_step.py measures both on gloo; all_reduce is the default (faster at DP 1).
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from kernels import Backend
 
 
-
 def all_to_all_experts(layer: SparseMoE, x: torch.Tensor, group: TPGroup, backend: Backend) -> torch.Tensor:
     """The routed experts' output [tokens, hidden] of the whole batch, on every rank, by
     all_to_all dispatch; counts the tokens per expert into layer.expert_tokens (all of
@@ -38,8 +37,12 @@ def all_to_all_experts(layer: SparseMoE, x: torch.Tensor, group: TPGroup, backen
     tokens = x.shape[0]
     chunk = -(-tokens // n)
     mine = x[rank * chunk:min((rank + 1) * chunk, tokens)]
-    weights, ids = layer.gate(mine, backend)
-    top_k = ids.shape[1]
+    top_k = layer.gate.cfg.top_k
+    if mine.shape[0]:
+        weights, ids = layer.gate(mine, backend)
+    else:       # fewer tokens than ranks (a small decode step): this rank routes none
+        weights = torch.empty(0, top_k, dtype=torch.float32, device=x.device)
+        ids = torch.empty(0, top_k, dtype=torch.int64, device=x.device)
     counts = torch.bincount(ids.reshape(-1), minlength=layer.num_experts)
     every = group.all_gather(counts[None]).view(n, n, num_local)          # [source, owner, local expert]
     layer.expert_tokens += every.sum(0).reshape(-1)

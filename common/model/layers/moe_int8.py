@@ -63,21 +63,34 @@ class Int8ExpertScales(nn.Module):
             slots[down + suffix] = Slot(p2, local * h, (local + 1) * h, (h, 1), optional=True)
         return slots
 
-    def prepare(self, w13: nn.Parameter, w2: nn.Parameter, backend: Backend, prefix: str) -> None:
-        """After loading (and .to(device)): the backend's form of each expert's codes; the
-        offsets checked to be zeros (ValueError naming the layer) and dropped."""
+    def prepare(self, w13: nn.Parameter, w2: nn.Parameter, backend: Backend, names: Callable[[int], list[str]]) -> None:
+        """After loading (and .to(device)): the backend's form of each expert's codes (the
+        codes released when it made copies); the offsets checked to be zeros and dropped.
+        names(local expert) -> its gate, up and down prefixes, for the errors."""
         if self.has_offsets:
-            for name, offsets in (("w13", self.w13_offset), ("w2", self.w2_offset)):
-                if offsets.data.abs().max() != 0:
-                    raise ValueError(f"{prefix}experts: a weight_offset of {name} is not all zeros: asymmetric int8 "
-                                     f"weights are not supported; supported: symmetric (weight_offset 0)")
-                offsets.data = offsets.data.new_empty(0)
+            self._check_zero_offsets(names)
         n, i, h = self.num_local, self.inter, self.hidden
         codes13, codes2 = w13.data.view(n, 2 * i, h), w2.data.view(n, h, i)
         self.w13_q = [backend.prepare_int8_weight(codes13[e]) for e in range(n)]
         self.w2_q = [backend.prepare_int8_weight(codes2[e]) for e in range(n)]
+        if not all(_shares_storage(q, w13.data) for q in self.w13_q):
+            w13.data = w13.data.new_empty(0)
+        if not all(_shares_storage(q, w2.data) for q in self.w2_q):
+            w2.data = w2.data.new_empty(0)
         self.w13_scale.data = self.w13_scale.data.view(n, 1, 2 * i).contiguous()
         self.w2_scale.data = self.w2_scale.data.view(n, 1, h).contiguous()
+
+    def _check_zero_offsets(self, names: Callable[[int], list[str]]) -> None:
+        """ValueError naming the first expert projection whose weight_offset is not zeros."""
+        i, h = self.inter, self.hidden
+        for offsets, rows_of in ((self.w13_offset, lambda r: (r // (2 * i), (r % (2 * i)) // i)),
+                                 (self.w2_offset, lambda r: (r // h, 2))):
+            bad = offsets.data.reshape(-1).ne(0).nonzero()
+            if bad.numel():
+                local, which = rows_of(int(bad[0]))
+                raise ValueError(f"{names(local)[which]}weight_offset is not all zeros: asymmetric int8 weights "
+                                 f"are not supported; supported: symmetric (weight_offset 0)")
+            offsets.data = offsets.data.new_empty(0)
 
     def expert_mlp(self, backend: Backend) -> Callable[[int, torch.Tensor], torch.Tensor]:
         """mlp(e, rows [m, hidden]) -> [m, hidden] in rows' dtype: local expert e's gated MLP."""
@@ -92,3 +105,10 @@ class Int8ExpertScales(nn.Module):
             h_q, h_s = backend.quantize_per_token(h, self.divisor)
             return backend.int8_scaled_matmul(h_q, self.w2_q[e], self.w2_scale[e], row_scale=h_s, out_dtype=rows.dtype)
         return mlp
+
+
+def _shares_storage(prepared, codes: torch.Tensor) -> bool:
+    """Whether the backend's form of an expert is a view of the codes (CPU: a transpose)."""
+    parts = prepared if isinstance(prepared, (list, tuple)) else [prepared]
+    return all(isinstance(p, torch.Tensor) and p.untyped_storage().data_ptr() == codes.untyped_storage().data_ptr()
+               for p in parts)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.model.layers.weight_slots import Slot, new_param
-from kernels.moe import sigmoid_grouped_top_k, softmax_top_k
+from kernels.moe import keep_best_groups, sigmoid_grouped_top_k, softmax_top_k
 
 if TYPE_CHECKING:
     from kernels import Backend
@@ -70,15 +70,6 @@ class RouterConfig:
             raise ValueError(f"topk_method must be one of {TOPK_METHODS}, got {self.topk_method!r}")
 
 
-def _keep_best_groups(choice: torch.Tensor, group_scores: torch.Tensor, cfg: RouterConfig,
-                      fill: float) -> torch.Tensor:
-    """choice [tokens, experts] with every expert outside the topk_group best groups set to fill."""
-    best = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
-    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-    keep = keep.unsqueeze(-1).expand(-1, cfg.n_group, cfg.num_experts // cfg.n_group).reshape_as(choice)
-    return choice.masked_fill(~keep, fill)
-
-
 def route(logits: torch.Tensor, cfg: RouterConfig,
           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [tokens, num_experts] -> (weights float32, expert_ids int64), both [tokens, top_k]."""
@@ -90,7 +81,7 @@ def route(logits: torch.Tensor, cfg: RouterConfig,
     probs = torch.softmax(logits.float(), dim=-1)             # deepseek_v2
     if cfg.topk_method == "group_limited_greedy":
         groups = probs.view(-1, cfg.n_group, cfg.num_experts // cfg.n_group).amax(dim=-1)
-        probs = _keep_best_groups(probs, groups, cfg, 0.0)
+        probs = keep_best_groups(probs, groups, cfg.topk_group, 0.0)
     weights, ids = probs.topk(cfg.top_k, dim=-1, sorted=False)
     return weights * cfg.routed_scaling_factor, ids
 

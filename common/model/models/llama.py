@@ -173,13 +173,15 @@ class LlamaForCausalLM(nn.Module):
 
     def expert_tokens(self) -> dict[int, torch.Tensor]:
         """Layer index -> tokens routed to each expert [num_experts] since the last call
-        (a copy on the CPU; the counters restart at zero): expert load, for the metrics."""
-        counts = {}
-        for i, layer in enumerate(self.layers):
-            if isinstance(layer.mlp, SparseMoE):
-                counts[i] = layer.mlp.expert_tokens.to("cpu", copy=True)
-                layer.mlp.expert_tokens.zero_()
-        return counts
+        (on the CPU, in one copy from the device; the counters restart at zero): expert
+        load, for the metrics."""
+        moe = [(i, layer.mlp) for i, layer in enumerate(self.layers) if isinstance(layer.mlp, SparseMoE)]
+        if not moe:
+            return {}
+        counts = torch.stack([m.expert_tokens for _, m in moe]).to("cpu")
+        for _, m in moe:
+            m.expert_tokens.zero_()
+        return {i: row for (i, _), row in zip(moe, counts)}
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 [rows, vocab]; at tensor parallelism every rank computes its vocab
