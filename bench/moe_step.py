@@ -1,6 +1,7 @@
 """A Mixture-of-Experts decode step on the CPU: pdmesh's expert path (tokens sorted by
-expert, one gated MLP per active expert: kernels/moe.py) against a per-expert Python loop
-(every expert masks the batch for its tokens, as transformers' eager MoE does), and the
+expert, one gated MLP per active expert on oneDNN-packed weights: kernels/cpu.py) against a
+per-expert Python loop (every expert masks the batch for its tokens, as transformers' eager
+MoE does; the same packed matmuls) and against the same path on unpacked weights, and the
 layouts over two ranks: experts split by columns (TP 2), placed whole (EP 2) with the
 all-reduce dispatch and with all_to_all (common/model/layers/moe_dispatch.py).
 
@@ -24,7 +25,6 @@ import types
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from bench_model import ROOT
 from quantize_speed import decode_step
 
@@ -36,7 +36,7 @@ MODEL = dict(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4, inter
              vocab_size=640, num_experts=32, num_experts_per_tok=4)
 MODEL_DIR = ROOT / "models" / "bench-qwen3-moe-e32"
 ENGINES = {   # name -> LLM keyword arguments
-    "tp1": {}, "tp1-loop": {},
+    "tp1": {}, "tp1-loop": {}, "tp1-unpacked": {},
     "tp2-columns": dict(tensor_parallel_size=2),
     "ep2-all_reduce": dict(tensor_parallel_size=2, enable_expert_parallel=True),
     "ep2-all_to_all": dict(tensor_parallel_size=2, enable_expert_parallel=True, moe_dispatch="all_to_all"),
@@ -44,21 +44,29 @@ ENGINES = {   # name -> LLM keyword arguments
 
 
 def loop_over_experts(self, x, weights, ids, w13, w2, first_expert=0):
-    """The baseline: for every expert, find its tokens by a mask over the whole batch."""
+    """The baseline: for every expert, find its tokens by a mask over the whole batch (the
+    same packed matmuls as pdmesh's path: only the loop differs)."""
     out = torch.zeros_like(x)
-    for e in range(w13.shape[0]):
+    for e in range(len(w13)):
         token, choice = torch.where(ids == e + first_expert)
         if token.numel() == 0:
             continue
-        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
-        out.index_add_(0, token, F.linear(F.silu(gate) * up, w2[e]) * weights[token, choice, None].to(x.dtype))
+        h = self.linear(self.silu_and_mul(self.linear(x[token], w13[e], None)), w2[e], None)
+        out.index_add_(0, token, h * weights[token, choice, None].to(x.dtype))
     return out
 
 
+def unpack_experts(llm: LLM) -> None:
+    """pdmesh's path on the experts in their plain layout (F.linear, no oneDNN packing)."""
+    for layer in llm.engine.model.layers:
+        if hasattr(layer.mlp, "prepared"):
+            w13, w2 = layer.mlp.prepared
+            layer.mlp.prepared = (torch.stack([w.to_dense() for w in w13]), torch.stack([w.to_dense() for w in w2]))
+
+
 def expert_bytes(llm: LLM) -> int:
-    """Rank 0's routed-expert parameters."""
-    return sum(layer.mlp.w13.numel() * 4 + layer.mlp.w2.numel() * 4
-               for layer in llm.engine.model.layers if hasattr(layer.mlp, "w13"))
+    """Rank 0's routed-expert parameters, as loaded."""
+    return sum(size for name, size in llm.engine.model.dense_bytes.items() if name.endswith((".w13", ".w2")))
 
 
 def median_time(fn, reps: int = 30) -> float:
@@ -77,15 +85,14 @@ def routing_overhead(llm: LLM, batch: int) -> dict:
     moe = model.layers[0].mlp
     x = torch.randn(batch, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     _, ids = moe.gate(x)
-    w13 = moe.w13.view(moe.num_local, 2 * moe.inter, moe.hidden)
-    w2 = moe.w2.view(moe.num_local, moe.hidden, moe.inter)
+    w13, w2 = moe.prepared
+    backend = model.backend
     groups = [(e, (ids == e).any(dim=1).nonzero().squeeze(1)) for e in range(moe.num_local)]
     inputs = [(e, x[rows]) for e, rows in groups if rows.numel()]
 
     def matmuls():
         for e, rows in inputs:
-            gate, up = F.linear(rows, w13[e]).chunk(2, dim=-1)
-            F.linear(F.silu(gate) * up, w2[e])
+            backend.linear(backend.silu_and_mul(backend.linear(rows, w13[e], None)), w2[e], None)
 
     layer = median_time(lambda: moe(x, model.backend))
     experts = median_time(matmuls)
@@ -110,9 +117,11 @@ def main() -> int:
         if name not in ENGINES:
             raise SystemExit(f"--engines: unknown {name!r}; allowed: {', '.join(ENGINES)}")
         engines[name] = LLM(str(MODEL_DIR), kernel_backend="cpu", num_blocks=256, **ENGINES[name])
-        if name.endswith("-loop"):
+        if name.endswith("-loop"):         # each engine has a backend of its own
             backend = engines[name].engine.model.backend
             backend.routed_experts = types.MethodType(loop_over_experts, backend)
+        if name.endswith("-unpacked"):
+            unpack_experts(engines[name])
     vocab = MODEL["vocab_size"]
     batches = [int(b) for b in args.batches.split(",")]
     for llm in engines.values():

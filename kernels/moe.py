@@ -85,11 +85,11 @@ def routed_by_expert(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
     tokens = pairs // top_k
     pair_weights = weights.reshape(-1)[pairs]
     counts = torch.bincount(experts, minlength=num_local).tolist()
-    start = 0
+    rows = x[tokens]                        # one gather; each expert's rows are a slice of it
+    outs, start = [], 0
     for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = tokens[start:start + n]
-        out.index_add_(0, rows, mlp(e, x[rows]) * pair_weights[start:start + n, None].to(x.dtype))
-        start += n
+        if n:
+            outs.append(mlp(e, rows[start:start + n]))
+            start += n
+    out.index_add_(0, tokens, torch.cat(outs) * pair_weights[:, None].to(x.dtype))
     return out

@@ -58,12 +58,12 @@ class TPShard:
         return self.rank * self.num_heads
 
 
-def allowed_sizes(cfg: ModelConfig, limit: int = 64, expert_parallel: bool = True) -> list[int]:
+def allowed_sizes(cfg: ModelConfig, limit: int = 64, expert_parallel: bool = False) -> list[int]:
     """The tensor_parallel_size values this model can run at, up to limit."""
     return [n for n in range(1, limit + 1) if _problem(cfg, n, expert_parallel) is None]
 
 
-def _problem(cfg: ModelConfig, size: int, expert_parallel: bool = True) -> str | None:
+def _problem(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> str | None:
     if cfg.moe_layers and expert_parallel and cfg.num_experts % size:
         return (f"num_experts={cfg.num_experts} must be a multiple of it (enable_expert_parallel: experts "
                 f"placed whole on each rank)")
@@ -81,7 +81,7 @@ def _problem(cfg: ModelConfig, size: int, expert_parallel: bool = True) -> str |
     return None
 
 
-def check_tensor_parallel(cfg: ModelConfig, size: int, expert_parallel: bool = True) -> None:
+def check_tensor_parallel(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> None:
     """ValueError naming the field, the reason and the allowed values unless this model
     can be sharded `size` ways (a MoE model's experts placed whole with expert_parallel,
     else split by columns)."""
@@ -91,7 +91,7 @@ def check_tensor_parallel(cfg: ModelConfig, size: int, expert_parallel: bool = T
                          f"allowed: {allowed_sizes(cfg, expert_parallel=expert_parallel)}")
 
 
-def plan_shard(cfg: ModelConfig, size: int, rank: int, expert_parallel: bool = True) -> TPShard:
+def plan_shard(cfg: ModelConfig, size: int, rank: int, expert_parallel: bool = False) -> TPShard:
     """Rank `rank`'s part (check_tensor_parallel first; ValueError when it does not fit).
     expert_parallel: the engine's enable_expert_parallel (a MoE model's experts placed whole
     on the ranks rather than split by columns)."""

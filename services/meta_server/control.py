@@ -20,12 +20,12 @@ heartbeat, deregister and route.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.config import POLICIES
 from protos.pdmesh.v1 import common_pb2
 from services.meta_server.admin_state import AdminState
-from services.meta_server.registry import UP, Member, Registry
+from services.meta_server.registry import UP, ExpertTokens, Member, Registry
 from services.meta_server.router import RouteDecision, Router, RouteRequest, check_policy
 
 ROLE_ORDER = {"prefill": 0, "decode": 1, "both": 2}
@@ -44,6 +44,8 @@ class NodeStatus:
     state: str                         # up | draining | down
     seconds_since_heartbeat: float
     num_routed: int
+    # a MoE node's expert counts as last reported (kept beside the member, not in info)
+    expert_tokens: ExpertTokens = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -85,8 +87,9 @@ class MetaControl:
         RegistrationConflictError when another live process holds the node_id."""
         return self.registry.register(info, instance_id)
 
-    def heartbeat(self, node_id: str, load: common_pb2.NodeLoad, instance_id: str = "") -> bool:
-        return self.registry.heartbeat(node_id, load, instance_id)
+    def heartbeat(self, node_id: str, load: common_pb2.NodeLoad, instance_id: str = "",
+                  expert_tokens: ExpertTokens | None = None) -> bool:
+        return self.registry.heartbeat(node_id, load, instance_id, expert_tokens)
 
     def deregister(self, node_id: str, instance_id: str = "") -> None:
         """RegistrationRefusedError where nodes register in etcd; RegistrationConflictError
@@ -110,7 +113,7 @@ class MetaControl:
         if state == UP and m.node_id in self.admin.drained_node_ids():
             state = "draining"
         return NodeStatus(m.info, state, self.registry.seconds_since_heartbeat(m),
-                          self.router.routed_by_node.get(m.node_id, 0))
+                          self.router.routed_by_node.get(m.node_id, 0), self.registry.expert_tokens(m.node_id))
 
     def list_nodes(self) -> list[NodeStatus]:
         members = sorted(self.registry.members(), key=lambda m: (ROLE_ORDER.get(m.role, 9), m.node_id))

@@ -10,7 +10,7 @@ import grpc
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
 from services.meta_server.control import MetaControl
 from services.meta_server.node_info_check import MAX_FIELD_CHARS, node_info_error
-from services.meta_server.registry import RegistrationConflictError, RegistrationRefusedError
+from services.meta_server.registry import RegistrationConflictError, RegistrationRefusedError, expert_tokens_of
 from services.meta_server.router import NoNodeError, RouteRequest
 from services.meta_server.store_hits import StoreHits
 from services.security.server_auth import peer_service_name
@@ -62,8 +62,9 @@ class MetaServicer(meta_pb2_grpc.MetaServerServicer):
 
     async def Heartbeat(self, request, context):
         await _check_caller(context, request.node_id, request.instance_id)
+        expert_tokens = expert_tokens_of(request.expert_tokens) if request.HasField("expert_tokens") else None
         if not await _membership_call(context, self.control.heartbeat, request.node_id, request.load,
-                                      request.instance_id):
+                                      request.instance_id, expert_tokens):
             await context.abort(grpc.StatusCode.NOT_FOUND, "this node is not registered; register again")
         return meta_pb2.HeartbeatResponse()
 

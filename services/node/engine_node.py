@@ -142,7 +142,9 @@ class EngineNode:
         if self.rank_writers is None:
             return KVStoreClient(address, model_id, self.layout, self.sender, self.executor, timeouts)
         size = len(self.rank_layouts)
-        offsets = [plan_shard(self.llm_engine.model_config, size, r).kv_head_start for r in range(size)]
+        engine = self.llm_engine
+        offsets = [plan_shard(engine.model_config, size, r, engine.config.enable_expert_parallel).kv_head_start
+                   for r in range(size)]
         senders = [self.sender] + [WorkerSender(self.rank_writers, r) for r in range(1, size)]
         return RankStoreClients([KVStoreClient(address, model_id, layout, sender, self.executor, timeouts,
                                                head_offset=offset, transfer_backend=self.transfer.name)
@@ -190,9 +192,7 @@ class EngineNode:
                                    total_blocks=stats["total_blocks"], stalled=self.stalled,
                                    cached_blocks=stats["cached_blocks"],
                                    quarantined_blocks=stats["quarantined_blocks"],
-                                   transfer_bytes_written=self.moved.bytes_written,
-                                   expert_load=[common_pb2.ExpertLoad(layer=layer, num_tokens=row)
-                                                for layer, row in self.engine.expert_tokens().items()])
+                                   transfer_bytes_written=self.moved.bytes_written)
 
     async def engine_stats(self, pending_transfers: int = 0) -> engine_pb2.EngineStats:
         s = await self.engine.stats()
@@ -219,7 +219,8 @@ class EngineNode:
     def start(self, address: str) -> None:
         """Join the mesh as `address` (in a task of the running loop)."""
         self.address = address
-        self.registration = create_registration(self.mesh, self.node_info)
+        # expert counts go to the meta-server beside the heartbeat, never inside the NodeInfo
+        self.registration = create_registration(self.mesh, self.node_info, self.engine.expert_tokens)
         self.registration.start()
 
     async def close(self) -> None:

@@ -10,6 +10,14 @@ registry (services/meta_server/registry):
                     keeps the lease alive and re-registers after it expired), put again
                     with the current load each time; close() revokes the lease.
 
+Expert counts (a Mixture-of-Experts node: `expert_tokens` returns MoE layer -> tokens per
+expert; {} for a dense model) go to the meta-server only, never inside the NodeInfo (which
+the meta-server hands out with every route), and only when they differ from the last ones
+it took (always the first): RpcRegistration in HeartbeatRequest.expert_tokens (again after
+each Register), EtcdRegistration as ExpertTokens under a key of its own,
+/pdmesh/<cluster>/nodes/expert-tokens/<node_id> on a second lease (EXPERT_TOKENS_ROLE;
+the meta-server's EtcdRegistry keeps it beside the member).
+
 Lifecycle: start() (a task of the running loop; returns at once) -> report every TTL/3
 (every RETRY_S while not registered; at once after report_now()) -> close(). Never raises because the meta-server or etcd is away: it logs and retries.
 `node_info` is called for every report and returns the node's current NodeInfo.
@@ -31,16 +39,32 @@ from services.node import grpc_util
 log = logging.getLogger("pdmesh.node")
 
 NodeInfoFn = Callable[[], common_pb2.NodeInfo]
+ExpertTokensFn = Callable[[], dict[int, list[int]]]
+# the etcd "role" of the key holding a node's ExpertTokens (never a node's role)
+EXPERT_TOKENS_ROLE = "expert-tokens"
 # While not registered (the meta-server restarted, or was away), try again this often: a
 # restarted meta-server has every live node back within a second.
 RETRY_S = 0.25
 
 
+def expert_tokens_proto(counts: dict[int, list[int]]) -> common_pb2.ExpertTokens:
+    return common_pb2.ExpertTokens(layers=[common_pb2.LayerExpertTokens(layer=layer, num_tokens=row)
+                                           for layer, row in counts.items()])
+
+
 class NodeRegistration(abc.ABC):
-    def __init__(self, node_info: NodeInfoFn, ttl_s: float):
+    def __init__(self, node_info: NodeInfoFn, ttl_s: float, expert_tokens: ExpertTokensFn | None = None):
         self.node_info, self.ttl_s = node_info, ttl_s
+        self.expert_tokens = expert_tokens
+        self._sent_tokens: dict[int, list[int]] | None = None   # the counts the other side last took
         self._task: asyncio.Task | None = None
         self._now = asyncio.Event()
+
+    def _changed_tokens(self) -> dict[int, list[int]] | None:
+        """The expert counts to send now: None when there are none (a dense model) or they
+        are what the other side last took."""
+        counts = self.expert_tokens() if self.expert_tokens is not None else None
+        return counts if counts and counts != self._sent_tokens else None
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="node registration")
@@ -87,8 +111,9 @@ class NodeRegistration(abc.ABC):
 
 
 class RpcRegistration(NodeRegistration):
-    def __init__(self, meta_address: str, node_info: NodeInfoFn, ttl_s: float):
-        super().__init__(node_info, ttl_s)
+    def __init__(self, meta_address: str, node_info: NodeInfoFn, ttl_s: float,
+                 expert_tokens: ExpertTokensFn | None = None):
+        super().__init__(node_info, ttl_s, expert_tokens)
         self.meta_address = meta_address
         self._channel = grpc_util.channel(meta_address)
         self._stub = meta_pb2_grpc.MetaServerStub(self._channel)
@@ -103,10 +128,14 @@ class RpcRegistration(NodeRegistration):
         info = self.node_info()
         try:
             if self._registered:
+                request = meta_pb2.HeartbeatRequest(node_id=info.node_id, load=info.load, instance_id=self.instance_id)
+                counts = self._changed_tokens()
+                if counts is not None:
+                    request.expert_tokens.CopyFrom(expert_tokens_proto(counts))
                 try:
-                    await self._stub.Heartbeat(meta_pb2.HeartbeatRequest(node_id=info.node_id, load=info.load,
-                                                                         instance_id=self.instance_id),
-                                               timeout=self.ttl_s)
+                    await self._stub.Heartbeat(request, timeout=self.ttl_s)
+                    if counts is not None:
+                        self._sent_tokens = counts
                     return
                 except grpc.aio.AioRpcError as e:
                     if e.code() != grpc.StatusCode.NOT_FOUND:
@@ -117,6 +146,7 @@ class RpcRegistration(NodeRegistration):
             if reply.ttl_seconds > 0:
                 self.ttl_s = reply.ttl_seconds      # the registry's TTL paces the heartbeats
             self._registered = True
+            self._sent_tokens = None                # a join starts without counts: send them next
             log.info("%s registered with the meta-server at %s", info.node_id, self.meta_address)
         except grpc.aio.AioRpcError as e:
             self._registered = False
@@ -133,12 +163,13 @@ class RpcRegistration(NodeRegistration):
 
 
 class EtcdRegistration(NodeRegistration):
-    def __init__(self, etcd_cfg, node_info: NodeInfoFn, ttl_s: float):
+    def __init__(self, etcd_cfg, node_info: NodeInfoFn, ttl_s: float, expert_tokens: ExpertTokensFn | None = None):
         """etcd_cfg: a common.cluster EtcdConfig."""
         from common.cluster.etcd import EtcdCluster
-        super().__init__(node_info, ttl_s)
+        super().__init__(node_info, ttl_s, expert_tokens)
         self._cluster = EtcdCluster(etcd_cfg)
         self.membership = self._cluster.membership()
+        self.expert_membership = self._cluster.membership()   # started with the first counts
         self._started = False
 
     @property
@@ -149,20 +180,32 @@ class EtcdRegistration(NodeRegistration):
         info = self.node_info()
         if self._started:
             await self.membership.update(info.SerializeToString())
+        else:
+            self._started = True
+            await self.membership.start(info.role, info.node_id, info.SerializeToString(), ttl_s=self.ttl_s)
+            log.info("%s registering in etcd at %s", info.node_id, self._cluster.cfg.endpoint)
+        counts = self._changed_tokens()
+        if counts is None:
             return
-        self._started = True
-        await self.membership.start(info.role, info.node_id, info.SerializeToString(), ttl_s=self.ttl_s)
-        log.info("%s registering in etcd at %s", info.node_id, self._cluster.cfg.endpoint)
+        value = expert_tokens_proto(counts).SerializeToString()
+        # the membership keeps the last value and puts it again (after an outage, on a new lease)
+        if self._sent_tokens is None:
+            await self.expert_membership.start(EXPERT_TOKENS_ROLE, info.node_id, value, ttl_s=self.ttl_s)
+        else:
+            await self.expert_membership.update(value)
+        self._sent_tokens = counts
 
     async def _leave(self) -> None:
         await self.membership.close()
+        await self.expert_membership.close()
         await self._cluster.close()
 
 
-def create_registration(mesh: MeshConfig, node_info: NodeInfoFn) -> NodeRegistration:
+def create_registration(mesh: MeshConfig, node_info: NodeInfoFn,
+                        expert_tokens: ExpertTokensFn | None = None) -> NodeRegistration:
     """In etcd when the mesh has an etcd_endpoint, else with the meta-server; either way
-    on the meta-server's TTL."""
+    on the meta-server's TTL. expert_tokens: the engine's (None: no expert counts)."""
     etcd = mesh.etcd_config()
     if etcd is not None:
-        return EtcdRegistration(etcd, node_info, mesh.meta.ttl_seconds)
-    return RpcRegistration(mesh.meta.address, node_info, mesh.meta.ttl_seconds)
+        return EtcdRegistration(etcd, node_info, mesh.meta.ttl_seconds, expert_tokens)
+    return RpcRegistration(mesh.meta.address, node_info, mesh.meta.ttl_seconds, expert_tokens)

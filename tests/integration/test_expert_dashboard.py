@@ -1,7 +1,8 @@
 """The dashboard's expert-load heat map in a real browser (Debian's chromium driven by
 Playwright's async API) against a meta-server in this process, with a Mixture-of-Experts
-node and a dense one registered over gRPC: one heat map, for the MoE node only, with a
-cell per (layer, expert), the largest share darkest, redrawn from the next heartbeat.
+node and a dense one registered over gRPC, the MoE node's counts in its heartbeats (never in
+its NodeInfo): one heat map, for the MoE node only, with a cell per (layer, expert), the
+largest share darkest, redrawn from the next heartbeat that carries counts.
 Skips only when chromium is not installed (`make sysdeps` installs it)."""
 from __future__ import annotations
 
@@ -25,14 +26,17 @@ HOT, COLD = "rgb(217, 83, 79)", "rgb(42, 48, 56)"     # dashboard.html's shading
 HANG_GUARD_MS = 30_000
 
 
-def load(counts: list[list[int]] | None) -> common_pb2.NodeLoad:
-    return common_pb2.NodeLoad(free_blocks=64, total_blocks=64, expert_load=[
-        common_pb2.ExpertLoad(layer=i, num_tokens=row) for i, row in enumerate(counts or [])])
+LOAD = common_pb2.NodeLoad(free_blocks=64, total_blocks=64)
 
 
-def node(node_id: str, counts: list[list[int]] | None) -> common_pb2.NodeInfo:
+def node(node_id: str) -> common_pb2.NodeInfo:
     return common_pb2.NodeInfo(node_id=node_id, role="decode", address=f"10.0.0.1:{len(node_id)}", model_id="m",
-                               kv_layout=common_pb2.KVLayout(block_size=16, num_blocks=64), load=load(counts))
+                               kv_layout=common_pb2.KVLayout(block_size=16, num_blocks=64), load=LOAD)
+
+
+def heartbeat(counts: list[list[int]]) -> meta_pb2.HeartbeatRequest:
+    return meta_pb2.HeartbeatRequest(node_id="moe-0", load=LOAD, instance_id="a", expert_tokens=common_pb2.ExpertTokens(
+        layers=[common_pb2.LayerExpertTokens(layer=i, num_tokens=row) for i, row in enumerate(counts)]))
 
 
 def test_heat_map_has_a_cell_per_layer_and_expert_of_the_moe_node_only():
@@ -47,8 +51,10 @@ def test_heat_map_has_a_cell_per_layer_and_expert_of_the_moe_node_only():
         try:
             async with operator_channel(f"127.0.0.1:{grpc_port}") as ch:
                 stub = meta_pb2_grpc.MetaServerStub(ch)
-                await stub.Register(meta_pb2.RegisterRequest(node=node("moe-0", counts), instance_id="a"))
-                await stub.Register(meta_pb2.RegisterRequest(node=node("dense-0", None), instance_id="b"))
+                await stub.Register(meta_pb2.RegisterRequest(node=node("moe-0"), instance_id="a"))
+                await stub.Register(meta_pb2.RegisterRequest(node=node("dense-0"), instance_id="b"))
+                await stub.Heartbeat(heartbeat(counts))
+                await stub.Heartbeat(meta_pb2.HeartbeatRequest(node_id="dense-0", load=LOAD, instance_id="b"))
                 async with async_playwright() as p:
                     browser = await p.chromium.launch(executable_path=CHROMIUM, headless=True)
                     try:
@@ -58,8 +64,7 @@ def test_heat_map_has_a_cell_per_layer_and_expert_of_the_moe_node_only():
                         await page.wait_for_selector(".heatmap td.cell", timeout=HANG_GUARD_MS)
                         await check_heat_map(page)
                         counts[0][1] = 50                     # the next heartbeat: a new hottest cell
-                        await stub.Heartbeat(meta_pb2.HeartbeatRequest(node_id="moe-0", load=load(counts),
-                                                                       instance_id="a"))
+                        await stub.Heartbeat(heartbeat(counts))
                         hottest = '.heatmap td.cell[data-layer="0"][data-expert="1"]'
                         await page.wait_for_function(f"document.querySelector('{hottest}').dataset.tokens === '50'",
                                                      timeout=HANG_GUARD_MS)

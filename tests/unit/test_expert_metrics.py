@@ -1,5 +1,5 @@
 """Expert load leaves the node: `pdmesh:moe_expert_tokens_total{node,layer,expert}` on its
-/metrics (services/node/metrics.py), NodeLoad.expert_load in its heartbeats, the node's
+/metrics (services/node/metrics.py), HeartbeatRequest.expert_tokens (never its NodeInfo), the node's
 "experts" entry of the meta-server's /api/cluster (cluster_view.py) and the hot-expert
 lines of `pdmesh top` (services/cli/top.py): exact values from known counts, then a real
 decode node serving the tiny Qwen3-MoE model next to a real meta-server, in this process."""
@@ -57,10 +57,9 @@ def test_expert_counter_has_one_series_per_layer_and_expert_and_none_for_a_dense
 
 
 def status(node_id: str, counts: dict[int, list[int]] | None = None) -> NodeStatus:
-    load = common_pb2.NodeLoad(free_blocks=64, total_blocks=64, expert_load=[
-        common_pb2.ExpertLoad(layer=layer, num_tokens=row) for layer, row in (counts or {}).items()])
+    load = common_pb2.NodeLoad(free_blocks=64, total_blocks=64)
     return NodeStatus(common_pb2.NodeInfo(node_id=node_id, role="decode", address="10.0.0.1:1", model_id="m",
-                                          load=load), "up", 0.5, 0)
+                                          load=load), "up", 0.5, 0, counts or {})
 
 
 def test_the_cluster_document_carries_the_expert_load_of_moe_nodes_only():

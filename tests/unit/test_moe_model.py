@@ -169,3 +169,19 @@ def test_moe_dispatch_is_validated():
     with pytest.raises(ValueError, match=r"moe_dispatch: all_to_all needs enable_expert_parallel: true .*; allowed "
                                          r"without it: all_reduce"):
         EngineConfig(model="m", tensor_parallel_size=2, moe_dispatch="all_to_all")
+
+
+def test_a_column_split_node_plans_its_shards_whatever_the_expert_count():
+    """A node's KV-head offsets come from plan_shard at its own enable_expert_parallel
+    (services/node/engine_node.py): 6 experts at TP 4 split by columns, which placing them
+    whole could not do."""
+    from common.parallel.shard import plan_shard
+    raw = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=64, hidden_size=64, intermediate_size=64,
+               num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, num_experts=6,
+               num_experts_per_tok=2, moe_intermediate_size=32)
+    cfg = model_config_from_dict(raw)
+    assert [plan_shard(cfg, 4, r).kv_head_start for r in range(4)] == [0, 1, 2, 3]
+    assert [(s.num_local_experts, s.expert_inter_start) for s in (plan_shard(cfg, 4, r) for r in range(4))] == \
+        [(6, 0), (6, 8), (6, 16), (6, 24)]
+    with pytest.raises(ValueError, match="num_experts=6 must be a multiple of it"):
+        plan_shard(cfg, 4, 0, expert_parallel=True)

@@ -55,7 +55,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class NodeLoad(_message.Message):
-    __slots__ = ("running", "waiting", "free_blocks", "total_blocks", "stalled", "cached_blocks", "quarantined_blocks", "transfer_bytes_written", "expert_load")
+    __slots__ = ("running", "waiting", "free_blocks", "total_blocks", "stalled", "cached_blocks", "quarantined_blocks", "transfer_bytes_written")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -64,7 +64,6 @@ class NodeLoad(_message.Message):
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
-    EXPERT_LOAD_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     free_blocks: int
@@ -73,16 +72,21 @@ class NodeLoad(_message.Message):
     cached_blocks: int
     quarantined_blocks: int
     transfer_bytes_written: int
-    expert_load: _containers.RepeatedCompositeFieldContainer[ExpertLoad]
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., stalled: _Optional[bool] = ..., cached_blocks: _Optional[int] = ..., quarantined_blocks: _Optional[int] = ..., transfer_bytes_written: _Optional[int] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ...) -> None: ...
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., stalled: _Optional[bool] = ..., cached_blocks: _Optional[int] = ..., quarantined_blocks: _Optional[int] = ..., transfer_bytes_written: _Optional[int] = ...) -> None: ...
 
-class ExpertLoad(_message.Message):
+class LayerExpertTokens(_message.Message):
     __slots__ = ("layer", "num_tokens")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     layer: int
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, layer: _Optional[int] = ..., num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ExpertTokens(_message.Message):
+    __slots__ = ("layers",)
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedCompositeFieldContainer[LayerExpertTokens]
+    def __init__(self, layers: _Optional[_Iterable[_Union[LayerExpertTokens, _Mapping]]] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("dtype", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "base_address", "strides", "scales_id")

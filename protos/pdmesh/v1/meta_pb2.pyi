@@ -24,14 +24,16 @@ class RegisterResponse(_message.Message):
     def __init__(self, ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "load", "instance_id")
+    __slots__ = ("node_id", "load", "instance_id", "expert_tokens")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     load: _common_pb2.NodeLoad
     instance_id: str
-    def __init__(self, node_id: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.NodeLoad, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    expert_tokens: _common_pb2.ExpertTokens
+    def __init__(self, node_id: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.NodeLoad, _Mapping]] = ..., instance_id: _Optional[str] = ..., expert_tokens: _Optional[_Union[_common_pb2.ExpertTokens, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ()

@@ -28,8 +28,10 @@ Block segments of a node add up to its total:
 i.e. used = used_blocks - quarantined, cached = cached_blocks, free = free_blocks - cached.
 
 Expert load (a Mixture-of-Experts node): num_tokens[i][e] is how many tokens the router
-of MoE layer layers[i] sent to expert e since the node started (NodeLoad.expert_load);
-the page and `pdmesh top` show each as a share of its layer's sum.
+of MoE layer layers[i] sent to expert e since the node started, as last reported
+(NodeStatus.expert_tokens: the registry keeps them beside the member, from heartbeats or
+the node's expert-tokens key in etcd; never part of the NodeInfo); the page and
+`pdmesh top` show each as a share of its layer's sum.
 
 Transfer rates are the difference of a node's transfer_bytes_written between its last
 two heartbeats seen, over their time apart (0 until two were seen; a restarted node's
@@ -62,9 +64,9 @@ def node_blocks(load) -> dict[str, int]:
             "cached": cached, "free": free - cached}
 
 
-def expert_entry(expert_load) -> dict:
-    """NodeLoad.expert_load as the node entry's "experts" (layers in the order reported)."""
-    return {"layers": [e.layer for e in expert_load], "num_tokens": [list(e.num_tokens) for e in expert_load]}
+def expert_entry(expert_tokens: dict[int, list[int]]) -> dict:
+    """A node's expert counts as its entry's "experts" (layers in the order reported)."""
+    return {"layers": list(expert_tokens), "num_tokens": [list(row) for row in expert_tokens.values()]}
 
 
 def node_entry(status: NodeStatus, bytes_per_s: float = 0.0) -> dict:
@@ -75,8 +77,8 @@ def node_entry(status: NodeStatus, bytes_per_s: float = 0.0) -> dict:
              "load": {"running": load.running, "waiting": load.waiting, "stalled": load.stalled},
              "blocks": node_blocks(load), "transfer_bytes_written": load.transfer_bytes_written,
              "transfer_bytes_per_s": round(bytes_per_s, 1)}
-    if load.expert_load:
-        entry["experts"] = expert_entry(load.expert_load)
+    if status.expert_tokens:
+        entry["experts"] = expert_entry(status.expert_tokens)
     return entry
 
 

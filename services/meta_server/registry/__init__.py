@@ -3,14 +3,14 @@ etcd implementation, and create_registry, the one place that picks between them.
 from __future__ import annotations
 
 from common.config import MetaConfig
-from services.meta_server.registry.base import (DOWN, UP, Member, RegistrationConflictError,
-                                                RegistrationRefusedError, Registry)
+from services.meta_server.registry.base import (DOWN, UP, ExpertTokens, Member, RegistrationConflictError,
+                                                RegistrationRefusedError, Registry, expert_tokens_of)
 from services.meta_server.registry.embedded import EmbeddedRegistry
 from services.meta_server.registry.etcd import EtcdRegistry
 
-__all__ = ["DOWN", "UP", "EmbeddedRegistry", "EtcdRegistry", "Member", "RegistrationConflictError",
-           "RegistrationRefusedError",
-           "Registry", "create_registry"]
+__all__ = ["DOWN", "UP", "EmbeddedRegistry", "EtcdRegistry", "ExpertTokens", "Member",
+           "RegistrationConflictError", "RegistrationRefusedError", "Registry", "create_registry",
+           "expert_tokens_of"]
 
 
 def create_registry(cfg: MetaConfig, cluster=None) -> Registry:

@@ -12,7 +12,9 @@ Lifecycle of a member, the same in both:
   -> down for `down_retention_ttls` TTLs -> forgotten
   remove (operator) forgets it at once; a live node joins again at its next report (TTL/3).
 Every join calls `on_join(node_id)` (MetaControl sets it: the router empties the node's
-prefix index). Time is
+prefix index). A Mixture-of-Experts node's expert counts are kept beside its member
+(expert_tokens(node_id)), never in the NodeInfo that Route and ListMembers hand out; each
+implementation says when they arrive and go. Time is
 applied lazily: every look at the table (get, members, alive, heartbeat) first marks the
 expired members down and forgets the long-down ones, by `clock`.
 
@@ -32,6 +34,14 @@ from protos.pdmesh.v1 import common_pb2
 log = logging.getLogger("pdmesh.meta")
 
 UP, DOWN = "up", "down"
+
+
+ExpertTokens = dict[int, list[int]]    # MoE layer index -> tokens per expert (by expert id)
+
+
+def expert_tokens_of(message: common_pb2.ExpertTokens) -> ExpertTokens:
+    """An ExpertTokens message as the registry keeps it (a layer given twice: the last)."""
+    return {e.layer: list(e.num_tokens) for e in message.layers}
 
 
 class RegistrationRefusedError(RuntimeError):
@@ -98,6 +108,7 @@ class Registry(abc.ABC):
         self.clock = clock
         self.on_join: Callable[[str], None] | None = None   # set by the owner before start()
         self._members: dict[str, Member] = {}
+        self._expert_tokens: dict[str, ExpertTokens] = {}   # node_id -> its last reported counts
 
     # ---- lifecycle ----------------------------------------------------------------
     @abc.abstractmethod
@@ -116,9 +127,11 @@ class Registry(abc.ABC):
         RegistrationRefusedError where nodes register elsewhere."""
         raise RegistrationRefusedError(self.refusal)
 
-    def heartbeat(self, node_id: str, load: common_pb2.NodeLoad, instance_id: str = "") -> bool:
-        """Report the load of an up member; False if unknown, down or joined by another
-        instance (register again). RegistrationRefusedError where nodes register elsewhere."""
+    def heartbeat(self, node_id: str, load: common_pb2.NodeLoad, instance_id: str = "",
+                  expert_tokens: ExpertTokens | None = None) -> bool:
+        """Report the load of an up member, and its expert counts when given (None: as
+        last reported); False if unknown, down or joined by another instance (register
+        again). RegistrationRefusedError where nodes register elsewhere."""
         raise RegistrationRefusedError(self.refusal)
 
     def deregister(self, node_id: str, instance_id: str = "") -> bool:
@@ -146,6 +159,11 @@ class Registry(abc.ABC):
     def alive(self) -> list[Member]:
         """Members that are up (routable unless drained)."""
         return [m for m in self.members() if m.state == UP]
+
+    def expert_tokens(self, node_id: str) -> ExpertTokens:
+        """The node's expert counts as last reported; {} for none (a dense model, or none
+        reported yet). The caller must not mutate them."""
+        return self._expert_tokens.get(node_id, {})
 
     def seconds_since_heartbeat(self, member: Member) -> float:
         """Since the member's last join or report."""
@@ -192,3 +210,4 @@ class Registry(abc.ABC):
                     self._gone(m.node_id, f"no heartbeat for {now - m.last_seen:.1f}s (ttl {m.ttl_s:g}s)")
             elif now - m.down_since > self.down_retention_ttls * min(m.ttl_s, self.default_ttl_s):
                 del self._members[m.node_id]
+                self._expert_tokens.pop(m.node_id, None)

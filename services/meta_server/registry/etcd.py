@@ -8,6 +8,10 @@ lists again after a compaction. Each change of a key:
   put, member up              -> reports (its NodeInfo and load replaced; nodes put every
                                  TTL/3, so seconds_since_heartbeat stays below TTL/3 too)
   delete (lease expired, or revoked by a clean shutdown) -> gone (down)
+A MoE node also keeps its expert counts (an ExpertTokens) on a second lease, under
+/pdmesh/<cluster>/nodes/expert-tokens/<node_id> (EXPERT_TOKENS_ROLE), put only when they
+changed: they are kept beside the member from each put until that key is deleted, never
+in its NodeInfo (and the key never makes a member).
 Nothing expires by time here: a node's lease is its liveness. While etcd is unreachable
 no change arrives, so the last known view is served (and routed on) unchanged; a node
 whose lease expired meanwhile puts its key again on a new lease and joins again.
@@ -21,8 +25,9 @@ from google.protobuf.message import DecodeError
 
 from common.cluster.base import ChangeKind, MemberChange
 from protos.pdmesh.v1 import common_pb2
-from services.meta_server.registry.base import DOWN, Registry
+from services.meta_server.registry.base import DOWN, Registry, expert_tokens_of
 from services.meta_server.node_info_check import node_info_error
+from services.node.node_registration import EXPERT_TOKENS_ROLE
 
 log = logging.getLogger("pdmesh.meta")
 
@@ -47,7 +52,20 @@ class EtcdRegistry(Registry):
         """The etcd revision the table reflects: every change up to it is applied."""
         return self._view.revision
 
+    def _on_expert_tokens(self, change: MemberChange) -> None:
+        if change.kind == ChangeKind.REMOVED:
+            self._expert_tokens.pop(change.node_id, None)
+            return
+        try:
+            self._expert_tokens[change.node_id] = expert_tokens_of(common_pb2.ExpertTokens.FromString(change.value))
+        except DecodeError:
+            log.warning("ignoring etcd key %s/%s: its value is not an ExpertTokens", EXPERT_TOKENS_ROLE,
+                        change.node_id[:128])
+
     def _on_change(self, change: MemberChange) -> None:
+        if change.role == EXPERT_TOKENS_ROLE:
+            self._on_expert_tokens(change)
+            return
         if change.kind == ChangeKind.REMOVED:
             self._gone(change.node_id, "its etcd key was deleted (lease expired or revoked)")
             return
