@@ -1,8 +1,8 @@
 """A Mixture-of-Experts decode step on the CPU: pdmesh's expert path (tokens sorted by
-expert, one gated MLP per active expert on oneDNN-packed weights: kernels/cpu.py) against a
-per-expert Python loop (every expert masks the batch for its tokens, as transformers' eager
-MoE does; the same packed matmuls) and against the same path on unpacked weights, and the
-layouts over two ranks: experts split by columns (TP 2), placed whole (EP 2) with the
+expert; a decode step's few rows an expert through the C++ kernel, kernels/csrc/moe_cpu.cpp)
+against the same path with a oneDNN-packed GEMM per expert (no C++ kernels) and against a
+per-expert Python loop (every expert masks the batch for its tokens and runs torch's
+matmuls, as transformers' eager MoE does), and the layouts over two ranks: experts split by columns (TP 2), placed whole (EP 2) with the
 all-reduce dispatch and with all_to_all (common/model/layers/moe_dispatch.py).
 
     python bench/moe_step.py [--batches 1,16] [--steps 32] [--rounds 3] [--out bench/results/moe_step.json]
@@ -12,16 +12,16 @@ The model: a tiny-but-not-toy Qwen3-MoE made by the tiny maker (8 layers, hidden
 under models/. Decode step: the median of `steps` engine steps of `batch` requests
 decoding together (16-token prompts, greedy), each engine in turn per round; ratios per
 round, their median. Routing overhead: one MoE layer at batch 16, its whole time against
-its experts' matmuls alone (router, sort, gather, weighting and index_add are the rest).
+its experts' computation alone (router, sort, gather, weighting and index_add are the rest).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -36,32 +36,38 @@ MODEL = dict(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4, inter
              vocab_size=640, num_experts=32, num_experts_per_tok=4)
 MODEL_DIR = ROOT / "models" / "bench-qwen3-moe-e32"
 ENGINES = {   # name -> LLM keyword arguments
-    "tp1": {}, "tp1-loop": {}, "tp1-unpacked": {},
+    "tp1": {}, "tp1-packed": {}, "tp1-loop": {},
     "tp2-columns": dict(tensor_parallel_size=2),
     "ep2-all_reduce": dict(tensor_parallel_size=2, enable_expert_parallel=True),
     "ep2-all_to_all": dict(tensor_parallel_size=2, enable_expert_parallel=True, moe_dispatch="all_to_all"),
 }
 
 
-def loop_over_experts(self, x, weights, ids, w13, w2, first_expert=0):
-    """The baseline: for every expert, find its tokens by a mask over the whole batch (the
-    same packed matmuls as pdmesh's path: only the loop differs)."""
+def loop_over_experts(x, weights, ids, w13, w2, first_expert=0):
+    """The baseline: for every expert, find its tokens by a mask over the whole batch and
+    run its MLP with torch's matmuls (transformers' eager MoE)."""
     out = torch.zeros_like(x)
-    for e in range(len(w13)):
+    for e in range(w13.shape[0]):
         token, choice = torch.where(ids == e + first_expert)
         if token.numel() == 0:
             continue
-        h = self.linear(self.silu_and_mul(self.linear(x[token], w13[e], None)), w2[e], None)
+        gate, up = torch.nn.functional.linear(x[token], w13[e]).chunk(2, dim=-1)
+        h = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[e])
         out.index_add_(0, token, h * weights[token, choice, None].to(x.dtype))
     return out
 
 
-def unpack_experts(llm: LLM) -> None:
-    """pdmesh's path on the experts in their plain layout (F.linear, no oneDNN packing)."""
+def run_loop(moe, x, weights, ids, backend, first_expert):
+    return loop_over_experts(x, weights, ids, *moe.prepared, first_expert)
+
+
+def pack_experts(llm: LLM) -> None:
+    """pdmesh's path without the C++ kernels: each expert oneDNN-packed, a GEMM per expert."""
+    backend = llm.engine.model.backend
     for layer in llm.engine.model.layers:
         if hasattr(layer.mlp, "prepared"):
             w13, w2 = layer.mlp.prepared
-            layer.mlp.prepared = (torch.stack([w.to_dense() for w in w13]), torch.stack([w.to_dense() for w in w2]))
+            layer.mlp.prepared = ([backend.prepare_linear(w) for w in w13], [backend.prepare_linear(w) for w in w2])
 
 
 def expert_bytes(llm: LLM) -> int:
@@ -69,35 +75,44 @@ def expert_bytes(llm: LLM) -> int:
     return sum(size for name, size in llm.engine.model.dense_bytes.items() if name.endswith((".w13", ".w2")))
 
 
-def median_time(fn, reps: int = 30) -> float:
-    fn()
-    times = []
+def paired_times(first, second, reps: int = 200) -> tuple[float, float]:
+    """Median seconds of each, timed in turn rep by rep (drift hits both alike)."""
+    first(), second()
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, out in ((first, times[0]), (second, times[1])):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 @torch.inference_mode()
 def routing_overhead(llm: LLM, batch: int) -> dict:
+    """One MoE layer of the tp1 engine at `batch` tokens: its whole time against the experts'
+    computation alone on rows already sorted (the C++ kernel's one call, or without the
+    extension the packed GEMMs): the rest is the router, sort, gather and combine."""
     model = llm.engine.model
-    moe = model.layers[0].mlp
+    moe, backend = model.layers[0].mlp, model.backend
     x = torch.randn(batch, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     _, ids = moe.gate(x)
+    order = ids.reshape(-1).argsort(stable=True)
+    rows = x[order // ids.shape[1]].contiguous()
+    counts = torch.bincount(ids.reshape(-1), minlength=moe.num_local).tolist()
     w13, w2 = moe.prepared
-    backend = model.backend
-    groups = [(e, (ids == e).any(dim=1).nonzero().squeeze(1)) for e in range(moe.num_local)]
-    inputs = [(e, x[rows]) for e, rows in groups if rows.numel()]
 
-    def matmuls():
-        for e, rows in inputs:
-            backend.linear(backend.silu_and_mul(backend.linear(rows, w13[e], None)), w2[e], None)
+    def experts():
+        if not isinstance(w13, list):
+            return backend.extension.moe_experts_few_rows(rows, w13, w2, counts)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                backend.linear(backend.silu_and_mul(backend.linear(rows[start:start + n], w13[e], None)), w2[e], None)
+                start += n
 
-    layer = median_time(lambda: moe(x, model.backend))
-    experts = median_time(matmuls)
-    return {"batch": batch, "layer_ms": layer * 1e3, "expert_matmuls_ms": experts * 1e3,
-            "overhead_share": (layer - experts) / layer}
+    layer, alone = paired_times(lambda: moe(x, backend), experts)
+    return {"batch": batch, "layer_ms": layer * 1e3, "experts_alone_ms": alone * 1e3,
+            "overhead_share": (layer - alone) / layer}
 
 
 def main() -> int:
@@ -112,25 +127,29 @@ def main() -> int:
         print(f"making the bench model in {MODEL_DIR}", flush=True)
         make_tiny_model("qwen3_moe", MODEL_DIR, **MODEL)
     names = ["tp1", *(n for n in args.engines.split(",") if n and n != "tp1")]
-    engines = {}
+    engines, threads = {}, {}
     for name in names:
         if name not in ENGINES:
             raise SystemExit(f"--engines: unknown {name!r}; allowed: {', '.join(ENGINES)}")
         engines[name] = LLM(str(MODEL_DIR), kernel_backend="cpu", num_blocks=256, **ENGINES[name])
-        if name.endswith("-loop"):         # each engine has a backend of its own
-            backend = engines[name].engine.model.backend
-            backend.routed_experts = types.MethodType(loop_over_experts, backend)
-        if name.endswith("-unpacked"):
-            unpack_experts(engines[name])
+        threads[name] = torch.get_num_threads()     # the engine's rank 0 set it for this process
+        if name.endswith("-loop"):         # the model's layers, not the backend: engines share it
+            for layer in engines[name].engine.model.layers:
+                if hasattr(layer.mlp, "prepared"):
+                    layer.mlp.run_experts = functools.partial(run_loop, layer.mlp)
+        if name.endswith("-packed"):
+            pack_experts(engines[name])
     vocab = MODEL["vocab_size"]
     batches = [int(b) for b in args.batches.split(",")]
-    for llm in engines.values():
+    for name, llm in engines.items():
         for b in batches:
+            torch.set_num_threads(threads[name])
             decode_step(llm, b, 4, vocab)
     timings = {name: {b: [] for b in batches} for name in engines}
     for r in range(args.rounds):
         for b in batches:
             for name, llm in engines.items():
+                torch.set_num_threads(threads[name])   # one process holds them all: each its own
                 timings[name][b].append(decode_step(llm, b, args.steps, vocab))
         print(f"round {r + 1}/{args.rounds} done", flush=True)
     report = {"command": " ".join(["python", "bench/moe_step.py", *sys.argv[1:]]), "machine": machine_info(),
@@ -148,9 +167,10 @@ def main() -> int:
                           f"({entry['ratio_to_tp1'][b]:.2f}x)" for b in batches)
         print(f"{name:16s} rank-0 experts {entry['expert_bytes_rank0'] / 2**20:7.1f} MiB "
               f"({entry['expert_bytes_ratio']:.2f}x); decode step {steps}")
+    torch.set_num_threads(threads["tp1"])
     report["routing_overhead"] = routing_overhead(engines["tp1"], 16)
     o = report["routing_overhead"]
-    print(f"routing overhead at batch 16: layer {o['layer_ms']:.2f} ms, expert matmuls {o['expert_matmuls_ms']:.2f} ms "
+    print(f"routing overhead at batch 16: layer {o['layer_ms']:.2f} ms, experts alone {o['experts_alone_ms']:.2f} ms "
           f"-> {o['overhead_share']:.0%} of the layer")
     for llm in engines.values():
         llm.close()

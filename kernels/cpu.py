@@ -25,12 +25,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from kernels.api import DecodeMetadata
 from kernels.cpu_extension import cpu_kernels
 from kernels.kv_int8 import KVCacheScales, over_codes
 from kernels.moe import routed_by_expert
 from kernels.ref import RefBackend
+
+FEW_ROWS = 8     # rows an expert up to which its matmuls are GEMVs (csrc/moe_cpu.cpp), not a GEMM
 
 
 def onednn_packs(dtype: torch.dtype) -> bool:
@@ -184,19 +187,34 @@ class CpuBackend(RefBackend):
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
     def prepare_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[Any, Any]:
-        """Each expert's matrices oneDNN-packed, as a linear layer's: a decode step runs one
-        to a few rows per expert, where an unpacked matmul costs ~2x (bench/moe_step.py)."""
-        if w13.device.type != "cpu" or not onednn_packs(w13.dtype):
+        """With the C++ kernels: the experts as they are (contiguous), for the few-rows
+        kernel (csrc/moe_cpu.cpp; more rows an expert go through a GEMM on them). Without:
+        each expert's matrices oneDNN-packed, as a linear layer's (a decode step's one to a
+        few rows an expert cost ~2x unpacked: bench/moe_step.py)."""
+        if w13.device.type != "cpu":
+            return w13, w2
+        if self.extension is not None:
+            return w13.contiguous(), w2.contiguous()
+        if not onednn_packs(w13.dtype):
             return w13, w2
         return [self.prepare_linear(w) for w in w13], [self.prepare_linear(w) for w in w2]
 
     def routed_experts(self, x, weights, ids, w13, w2, first_expert: int = 0) -> torch.Tensor:
-        if not isinstance(w13, list):
+        if isinstance(w13, list):       # oneDNN-packed
+            def packed(e: int, rows: torch.Tensor) -> torch.Tensor:
+                return self.linear(self.silu_and_mul(self.linear(rows, w13[e], None)), w2[e], None)
+            return routed_by_expert(x, weights, ids, len(w13), packed, first_expert)
+        if self.extension is None or x.device.type != "cpu":
             return super().routed_experts(x, weights, ids, w13, w2, first_expert)
 
-        def mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
-            return self.linear(self.silu_and_mul(self.linear(rows, w13[e], None)), w2[e], None)
-        return routed_by_expert(x, weights, ids, len(w13), mlp, first_expert)
+        def plain(e: int, rows: torch.Tensor) -> torch.Tensor:
+            return F.linear(self.silu_and_mul(F.linear(rows, w13[e])), w2[e])
+
+        def few_rows(rows: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+            if max(counts) > FEW_ROWS:
+                return None
+            return self.extension.moe_experts_few_rows(rows.contiguous(), w13, w2, counts)
+        return routed_by_expert(x, weights, ids, w13.shape[0], plain, first_expert, all_runs=few_rows)
 
     def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
         if not weight.is_mkldnn:

@@ -1,6 +1,6 @@
 """The cpu backend's C++ kernels (kernels/csrc/: paged decode attention, the norms,
-rotary, SiLU-and-multiply and KV write around a layer's matmuls, and the quantization
-around a W8A8 layer's int8 GEMM), one library built with
+rotary, SiLU-and-multiply and KV write around a layer's matmuls, the quantization
+around a W8A8 layer's int8 GEMM, and a MoE layer's experts over a decode step's few rows), one library built with
 torch's extension builder (ninja + the host's C++ compiler) into torch's extension folder
 ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), once per source, torch
 version and CPU instruction set.
@@ -28,7 +28,7 @@ import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(CSRC / name for name in ("paged_decode_cpu.cpp", "layer_ops_cpu.cpp", "quant_ops_cpu.cpp",
-                                         "bindings.cpp"))
+                                         "moe_cpu.cpp", "bindings.cpp"))
 HEADERS = (CSRC / "cpu_kernels.h",)
 DISABLE_ENV = "PDMESH_CPU_EXTENSION"     # "0": never build or load it
 # Flags per CPU capability torch reports; the capability is part of the module's name, so

@@ -70,9 +70,12 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
 
 
 def routed_by_expert(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_local: int,
-                     mlp: Callable[[int, torch.Tensor], torch.Tensor], first_expert: int = 0) -> torch.Tensor:
+                     mlp: Callable[[int, torch.Tensor], torch.Tensor], first_expert: int = 0,
+                     all_runs: Callable[[torch.Tensor, list[int]], torch.Tensor | None] | None = None) -> torch.Tensor:
     """routed_experts with any expert computation: mlp(e, rows [m, hidden]) -> [m, hidden]
-    for local expert e (e.g. an int8 expert's, layers/moe_int8.py)."""
+    for local expert e (e.g. an int8 expert's, layers/moe_int8.py); or all_runs(rows sorted
+    by expert, counts per local expert) -> every run's output at once (a fused kernel: the
+    cpu backend's), where it returns one (None: the loop over mlp)."""
     top_k = ids.shape[1]
     out = torch.zeros_like(x)
     local = ids.reshape(-1) - first_expert
@@ -86,10 +89,13 @@ def routed_by_expert(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
     pair_weights = weights.reshape(-1)[pairs]
     counts = torch.bincount(experts, minlength=num_local).tolist()
     rows = x[tokens]                        # one gather; each expert's rows are a slice of it
-    outs, start = [], 0
-    for e, n in enumerate(counts):
-        if n:
-            outs.append(mlp(e, rows[start:start + n]))
-            start += n
-    out.index_add_(0, tokens, torch.cat(outs) * pair_weights[:, None].to(x.dtype))
+    done = all_runs(rows, counts) if all_runs is not None else None
+    if done is None:
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                outs.append(mlp(e, rows[start:start + n]))
+                start += n
+        done = torch.cat(outs)
+    out.index_add_(0, tokens, done.mul_(pair_weights[:, None].to(x.dtype)))
     return out

@@ -17,4 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_rows", &dequant_rows, "((acc + int_bias) * col_scale * row_scale + bias) as out_dtype", py::arg("acc"),
         py::arg("col_scale"), py::arg("row_scale") = py::none(), py::arg("int_bias") = py::none(),
         py::arg("bias") = py::none(), py::arg("out_dtype") = at::kFloat, release());
+  m.def("moe_experts_few_rows", &moe_experts_few_rows,
+        "each local expert's gated MLP over its run of rows (sorted by expert, counts per expert), unweighted",
+        py::arg("rows"), py::arg("w13"), py::arg("w2"), py::arg("counts"), release());
 }

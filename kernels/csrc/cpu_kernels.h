@@ -21,3 +21,6 @@ std::vector<torch::Tensor> quantize_per_token(torch::Tensor x, double divisor);
 torch::Tensor dequant_rows(torch::Tensor acc, torch::Tensor col_scale, c10::optional<torch::Tensor> row_scale,
                            c10::optional<torch::Tensor> int_bias, c10::optional<torch::Tensor> bias,
                            at::ScalarType out_dtype);
+
+// moe_cpu.cpp
+torch::Tensor moe_experts_few_rows(torch::Tensor rows, torch::Tensor w13, torch::Tensor w2, std::vector<int64_t> counts);
