@@ -30,6 +30,7 @@ kernels.testing.fake_torch_npu.install()).
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 from itertools import accumulate
 
@@ -38,11 +39,15 @@ import torch
 from kernels.api import Backend, DecodeMetadata, PrefillMetadata
 from kernels.kv_int8 import KVCacheScales, dequantize_kv
 
+log = logging.getLogger("pdmesh.kernels")
 BLOCK_SIZE = 128
 MASK_SIZE = 2048
 QUANT_MATMUL_MAX_DIM = 65535    # npu_quant_matmul's last dims
 MOE_GATING_MAX_EXPERTS = 2048   # npu_moe_gating_top_k's experts (each group padded to 32)
 _REQUIRED_OPS = ("npu_fused_infer_attention_score", "npu_rms_norm", "npu_rotary_mul")
+# a MoE model's: without them (an older torch_npu) its routers and experts run the torch path
+MOE_OPS = ("npu_moe_gating_top_k_softmax", "npu_moe_gating_top_k", "npu_moe_init_routing_v2",
+           "npu_grouped_matmul", "npu_swiglu", "npu_moe_finalize_routing")
 
 
 def _import_torch_npu():
@@ -98,6 +103,8 @@ class NpuBackend(Backend):
         self._scatter = getattr(self._npu, "npu_scatter_pa_kv_cache", None)
         self._scale_kw = scale_keyword(self._npu.npu_fused_infer_attention_score)
         self._masks: dict[torch.device, torch.Tensor] = {}
+        self._moe_missing = [op for op in MOE_OPS if not hasattr(self._npu, op)]
+        self._moe_told = False
         self._slots_cache: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         self._static_inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._antiquant_args: dict[tuple, tuple[KVCacheScales, dict]] = {}
@@ -289,9 +296,19 @@ class NpuBackend(Backend):
     def rms_norm(self, x, weight, eps: float) -> torch.Tensor:
         return self._npu.npu_rms_norm(x, weight, epsilon=eps)[0]
 
+    def _moe_ops(self) -> bool:
+        """Whether this torch_npu has the MoE ops (a warning, once, when it has not)."""
+        if self._moe_missing and not self._moe_told:
+            self._moe_told = True
+            log.warning("npu kernel backend: torch_npu %s lacks %s; Mixture-of-Experts layers run torch's ops",
+                        getattr(self._npu, "__version__", "?"), self._moe_missing)
+        return not self._moe_missing
+
     def softmax_top_k(self, logits, top_k: int, renormalize: bool):
         """npu_moe_gating_top_k_softmax on float32 logits (the reference's precision); the
         renormalisation in torch, as vllm-ascend does."""
+        if not self._moe_ops():
+            return super().softmax_top_k(logits, top_k, renormalize)
         weights, ids, _ = self._npu.npu_moe_gating_top_k_softmax(logits.float().contiguous(), None, k=top_k)
         if renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -303,6 +320,8 @@ class NpuBackend(Backend):
         its rules allow: it always renormalises a sigmoid's top-k, and takes at most 2048
         experts in groups of more than 2 (each padded to 32, all within 2048); elsewhere the
         reference."""
+        if not self._moe_ops():
+            return super().sigmoid_grouped_top_k(logits, bias, top_k, n_group, topk_group, renormalize, scaling)
         experts = logits.shape[-1]
         per_group = experts // n_group
         if not renormalize or per_group <= 2 or -(-per_group // 32) * 32 * n_group > MOE_GATING_MAX_EXPERTS:
@@ -328,6 +347,8 @@ class NpuBackend(Backend):
         The grouped matmul's counts must sum to its rows, so n is read on the host (one
         sync a layer). The weights go to the op as transposed views ([E, K, N] with the
         strides of [E, N, K]), which it takes as they are: no copy at load or per call."""
+        if not self._moe_ops():
+            return super().routed_experts(x, weights, ids, w13, w2, first_expert)
         num_local, pairs = w13.shape[0], ids.numel()
         if pairs == 0:
             return torch.zeros_like(x)

@@ -163,3 +163,22 @@ def test_moe_model_through_the_npu_emulator_equals_transformers(saved, npu_op_ca
         assert_no_blocks_in_use(llm.engine)
     assert npu_op_calls["npu_moe_gating_top_k_softmax"] > 0
     assert all(npu_op_calls[op] > 0 for op in MOE_OPS), dict(npu_op_calls)
+
+
+def test_a_torch_npu_without_the_moe_ops_runs_torch_s_path(npu_emulator, monkeypatch, caplog):
+    """An older torch_npu (no npu_moe_* ops): the backend says so once and routes and runs
+    the experts with torch's ops, the same results."""
+    backend = get_backend("npu", "cpu")
+    monkeypatch.setattr(backend, "_moe_missing", ["npu_moe_init_routing_v2"])
+    monkeypatch.setattr(backend, "_moe_told", False)
+    g = torch.Generator().manual_seed(5)
+    x, logits = torch.randn(6, 32, generator=g), torch.randn(6, 8, generator=g)
+    w13, w2 = torch.randn(8, 48, 32, generator=g) * 0.2, torch.randn(8, 32, 24, generator=g) * 0.2
+    with caplog.at_level("WARNING", logger="pdmesh.kernels"):
+        weights, ids = backend.softmax_top_k(logits, 2, True)
+        got = backend.routed_experts(x, weights, ids, w13, w2)
+        backend.routed_experts(x, weights, ids, w13, w2)
+    assert caplog.text.count("lacks ['npu_moe_init_routing_v2']; Mixture-of-Experts layers run torch's ops") == 1
+    want_w, want_ids = route(logits, RouterConfig("softmax", 8, 2, renormalize=True))
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+    torch.testing.assert_close(got, routed_experts(x, weights, ids, w13, w2))
