@@ -1,6 +1,6 @@
 """DeepSeek-V2/V3's MoE layer (routed experts of a grouped router, plus shared experts;
 layers/moe.py) against transformers' DeepseekV2Moe / DeepseekV3MoE on the same weights,
-read from a checkpoint by the layer's own slots, whole and split over two ranks (experts
+read from a checkpoint by the layer's own slots (fused and per-expert), whole and split over two ranks (experts
 placed whole, or split by columns): the ranks' shares sum to the layer. The whole DeepSeek
 models need MLA (their attention), a separate issue; their MLP is this layer."""
 from __future__ import annotations
@@ -79,12 +79,24 @@ def ours(router: RouterConfig, folder, part: TPShard, backend) -> SparseMoE:
     return layer
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v2"])
+def per_expert(state: dict) -> dict:
+    """transformers 5's fused experts as the hub's per-expert tensors (experts.N.gate_proj...)."""
+    out = {k: v for k, v in state.items() if not k.startswith("experts.")}
+    for e, (gate_up, down) in enumerate(zip(state["experts.gate_up_proj"], state["experts.down_proj"])):
+        out[f"experts.{e}.gate_proj.weight"], out[f"experts.{e}.up_proj.weight"] = gate_up.chunk(2)
+        out[f"experts.{e}.down_proj.weight"] = down
+    return out
+
+
+@pytest.fixture(scope="module", params=[("deepseek_v3", "fused"), ("deepseek_v2", "fused"),
+                                        ("deepseek_v3", "per-expert")], ids=lambda p: "-".join(p))
 def family(request, tmp_path_factory):
-    theirs, router = deepseek(request.param)
-    folder = tmp_path_factory.mktemp(request.param)
-    save_file({PREFIX + "mlp." + name: t.contiguous() for name, t in theirs.state_dict().items()},
-              folder / "model.safetensors")
+    name, layout = request.param
+    theirs, router = deepseek(name)
+    folder = tmp_path_factory.mktemp(name)
+    state = theirs.state_dict()
+    state = per_expert(state) if layout == "per-expert" else state
+    save_file({PREFIX + "mlp." + name: t.contiguous() for name, t in state.items()}, folder / "model.safetensors")
     return theirs, router, folder
 
 
