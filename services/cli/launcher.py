@@ -34,12 +34,14 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.config import MeshConfig
 from common import cpu_budget
+from common.bind_error import EXIT_CODE as BIND_EXIT_CODE
+from common.config import MeshConfig
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
 from services.node.grpc_util import free_port, port_in_use
 
 ROOT = Path(__file__).resolve().parents[2]
+BIND_RETRIES = 2        # a planned port taken before the service bound it: that many more tries
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Service:
     env: dict[str, str] = field(default_factory=dict)   # set for this service's process only
     cpu: cpu_budget.CoreShare | None = None
     metrics_port: int = 0               # GET /metrics there (0 = none)
+    port_planned: bool = False          # the launcher chose `port` (free then, maybe taken by now)
     http_port: int = 0                  # the gateway's OpenAI-compatible HTTP API (0 = none)
     http_scheme: str = "http"           # https when the mesh runs TLS
 
@@ -143,13 +146,13 @@ class MeshProcesses:
             self.services[node.node_id] = Service(node.node_id, node.role, node.advertised_host, port,
                                                   ["--node-id", node.node_id],
                                                   self.log_dir / f"{node.node_id}.log",
-                                                  metrics_port=node.metrics_port)
+                                                  metrics_port=node.metrics_port, port_planned=not node.port)
         gw_port = m.gateway.port or free_port(m.gateway.host)
         self.services["gateway"] = Service("gateway", "gateway", m.gateway.host, gw_port, [],
                                            self.log_dir / "gateway.log", metrics_port=m.gateway.metrics_port,
                                            http_port=m.gateway.http_port,
                                            http_scheme="https" if m.security.tls_dir or self.environ.get(
-                                               "PDMESH_TLS_DIR") else "http")
+                                               "PDMESH_TLS_DIR") else "http", port_planned=not m.gateway.port)
         self._plan_cores()
 
     def _plan_cores(self) -> None:
@@ -260,7 +263,25 @@ class MeshProcesses:
         return client_channel(self.meta_address, bearer=token, tls=self.client_tls(), sync=True)
 
     def _wait_healthy(self, svc: Service, timeout_s: float) -> None:
-        wait_healthy(svc.address, timeout_s, svc.process, tls=self.client_tls())
+        """A node or the gateway whose planned port was taken between planning and binding
+        (free_port's answer is free only until another process binds it; the ranks' gloo
+        and the transfer engines bind ephemeral ports too) starts again on another, up to
+        BIND_RETRIES times; nothing knew its address yet (a node registers once healthy)."""
+        for attempt in range(BIND_RETRIES + 1):
+            try:
+                wait_healthy(svc.address, timeout_s, svc.process, tls=self.client_tls())
+                return
+            except RuntimeError:
+                taken = svc.process is not None and svc.process.poll() == BIND_EXIT_CODE
+                if not (taken and svc.port_planned and attempt < BIND_RETRIES):
+                    raise
+            old = svc.port
+            svc.port = free_port(svc.host if svc.role == "gateway" else self._bind_host(svc))
+            self._say(f"{svc.name:<12} port {old} was taken meanwhile; starting again on {svc.port}")
+            self._spawn(svc)
+
+    def _bind_host(self, svc: Service) -> str:
+        return next(n.host for n in self.mesh.nodes if n.node_id == svc.name)
 
     def _wait_registered(self, node_ids: list[str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

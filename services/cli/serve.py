@@ -169,7 +169,7 @@ class ServiceFailed(RuntimeError):
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.bind_error import BindError
+    from common.bind_error import EXIT_CODE, BindError
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
     try:
         asyncio.run(_serve(args))
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except BindError as e:
         print(f"error: {e}", flush=True)
-        return 1
+        return EXIT_CODE
     except ServiceFailed as e:
         print(f"error: {e}", flush=True)
         return 1

@@ -81,12 +81,15 @@ def bind(server: grpc.aio.Server, host: str, port: int) -> int:
     """Bind host:port (0 = a free port), with TLS when the server's credentials carry it;
     returns the port. BindError if taken."""
     tls = server.pdmesh_credentials.tls
-    if tls is None:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    else:
-        creds = grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.ca,
-                                            require_client_auth=server.pdmesh_mtls)
-        bound = server.add_secure_port(f"{host}:{port}", creds)
+    try:
+        if tls is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            creds = grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.ca,
+                                                require_client_auth=server.pdmesh_mtls)
+            bound = server.add_secure_port(f"{host}:{port}", creds)
+    except RuntimeError:       # grpcio >= 1.59 raises where older ones returned 0
+        bound = 0
     if bound == 0:
         raise BindError(f"cannot bind {host}:{port} (address in use?)")
     return bound

@@ -38,3 +38,32 @@ def test_launcher_refuses_a_taken_fixed_port(tmp_path):
             mesh.start(timeout_s=5)
         assert mesh.services == {}
     assert not grpc_util.port_in_use("127.0.0.1", port)
+
+
+def test_a_planned_port_taken_before_the_node_binds_it_is_replaced(tmp_path, tiny_model, monkeypatch):
+    """free_port's answer is free only until another process binds it (the ranks' gloo and
+    the transfer engines bind ephemeral ports): the node exits with the bind status and
+    the launcher starts it again on another port, once, saying so; the mesh serves."""
+    from services.cli import launcher
+    real, calls = launcher.free_port, []
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+
+        def planned(host):          # the meta-server's port, then the node's: the taken one
+            calls.append(host)
+            return port if len(calls) == 2 else real(host)
+        monkeypatch.setattr(launcher, "free_port", planned)
+        raw = {"model": str(tiny_model("llama")), "engine": {"num_blocks": 32},
+               "meta_server": {"port": 0, "ttl_seconds": 2.0}, "gateway": {"port": 0},
+               "nodes": [{"role": "both", "node_id": "n0"}]}
+        mesh = MeshProcesses(str(tmp_path / "mesh.yaml"), mesh_config_from_dict(raw), tmp_path / "logs", quiet=True)
+        (tmp_path / "mesh.yaml").write_text(__import__("yaml").safe_dump(raw))
+        try:
+            mesh.start(timeout_s=120)
+            node = mesh.services["n0"]
+            assert node.port != port and grpc_util.port_in_use("127.0.0.1", node.port)
+            assert f"cannot bind 127.0.0.1:{port} (address in use?)" in node.log_path.read_text()
+        finally:
+            mesh.stop()

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from common.engine import LLM
 from common.model.formats.compressed_tensors import SYMMETRIC_DIVISOR
+from tests.conftest import assert_no_blocks_in_use
 from tests.moe_checkpoints import IDS, save, w8a8_reference
 from tests.msmodelslim_checkpoints import DIVISOR as MSMODELSLIM_DIVISOR
 from tests.msmodelslim_checkpoints import write_msmodelslim
@@ -63,8 +64,10 @@ def test_int8_experts_compute_the_scheme(quantized, float_model, fmt, case, requ
         if case == "npu":      # the op's layout is a copy: the codes as loaded are released
             assert all(m.w13.numel() == 0 and m.w2.numel() == 0 for m in moe)
         ours = llm.prompt_logprobs_full(IDS).double()
+        assert_no_blocks_in_use(llm.engine)
     with LLM(str(float_model), num_blocks=64, **CASES[case]) as llm:
         plain = llm.prompt_logprobs_full(IDS).double()
+        assert_no_blocks_in_use(llm.engine)
     ours_kl, fp32_kl, float_kl = (kl(ref64, other).mean().item() for other in (ours, ref32, plain))
     assert ours_kl <= 1.5 * fp32_kl + 1e-5, (ours_kl, fp32_kl)
     assert ours_kl <= 0.25 * float_kl, (ours_kl, float_kl)

@@ -140,6 +140,7 @@ def whole_model_counts(folder) -> dict[int, list[int]]:
     if folder not in _COUNTS:
         with LLM(str(folder), kernel_backend="cpu", num_blocks=64) as llm:
             _COUNTS[folder] = generate_counting(llm)[1]
+            assert_no_blocks_in_use(llm.engine)
     return _COUNTS[folder]
 
 
