@@ -123,7 +123,7 @@ class MeshProcesses:
         self.meta_address = f"{meta_host}:{meta_port}"
         self.services["meta-server"] = Service("meta-server", "meta-server", meta_host, meta_port,
                                                [], self.log_dir / "meta-server.log",
-                                               metrics_port=m.meta.metrics_port)
+                                               metrics_port=m.meta.metrics_port, port_planned=not m.meta.port)
         self.meta_addresses = [self.meta_address]
         for i in range(1, m.meta.standbys + 1):
             port = free_port(m.meta.host)
@@ -263,10 +263,13 @@ class MeshProcesses:
         return client_channel(self.meta_address, bearer=token, tls=self.client_tls(), sync=True)
 
     def _wait_healthy(self, svc: Service, timeout_s: float) -> None:
-        """A node or the gateway whose planned port was taken between planning and binding
-        (free_port's answer is free only until another process binds it; the ranks' gloo
-        and the transfer engines bind ephemeral ports too) starts again on another, up to
-        BIND_RETRIES times; nothing knew its address yet (a node registers once healthy)."""
+        """The leading meta-server, a node or the gateway whose planned port was taken
+        between planning and binding (free_port's answer is free only until another process
+        binds it; the ranks' gloo and the transfer engines bind ephemeral ports too) starts
+        again on another, up to BIND_RETRIES times: nothing knew its address yet (the
+        meta-server is up before anything else starts; a node registers once healthy).
+        Standby meta-servers and the kv-store are not retried: the nodes starting beside
+        them were given their addresses."""
         for attempt in range(BIND_RETRIES + 1):
             try:
                 wait_healthy(svc.address, timeout_s, svc.process, tls=self.client_tls())
@@ -276,11 +279,17 @@ class MeshProcesses:
                 if not (taken and svc.port_planned and attempt < BIND_RETRIES):
                     raise
             old = svc.port
-            svc.port = free_port(svc.host if svc.role == "gateway" else self._bind_host(svc))
+            svc.port = free_port(self._bind_host(svc))
+            if svc.name == "meta-server":
+                self.meta_address = self.meta_addresses[0] = svc.address
             self._say(f"{svc.name:<12} port {old} was taken meanwhile; starting again on {svc.port}")
             self._spawn(svc)
 
     def _bind_host(self, svc: Service) -> str:
+        if svc.role == "gateway":
+            return self.mesh.gateway.host
+        if svc.name == "meta-server":
+            return self.mesh.meta.host
         return next(n.host for n in self.mesh.nodes if n.node_id == svc.name)
 
     def _wait_registered(self, node_ids: list[str], timeout_s: float) -> None:

@@ -40,10 +40,12 @@ def test_launcher_refuses_a_taken_fixed_port(tmp_path):
     assert not grpc_util.port_in_use("127.0.0.1", port)
 
 
-def test_a_planned_port_taken_before_the_node_binds_it_is_replaced(tmp_path, tiny_model, monkeypatch):
+@pytest.mark.parametrize("service,call", [("meta-server", 1), ("n0", 2), ("gateway", 3)])
+def test_a_planned_port_taken_before_the_service_binds_it_is_replaced(tmp_path, tiny_model, monkeypatch, service,
+                                                                     call):
     """free_port's answer is free only until another process binds it (the ranks' gloo and
-    the transfer engines bind ephemeral ports): the node exits with the bind status and
-    the launcher starts it again on another port, once, saying so; the mesh serves."""
+    the transfer engines bind ephemeral ports): the service exits with the bind status and
+    the launcher starts it again on another port; the mesh comes up."""
     from services.cli import launcher
     real, calls = launcher.free_port, []
     with socket.socket() as taken:
@@ -51,9 +53,9 @@ def test_a_planned_port_taken_before_the_node_binds_it_is_replaced(tmp_path, tin
         taken.listen()
         port = taken.getsockname()[1]
 
-        def planned(host):          # the meta-server's port, then the node's: the taken one
+        def planned(host):          # the meta-server's port, the node's, the gateway's: one taken
             calls.append(host)
-            return port if len(calls) == 2 else real(host)
+            return port if len(calls) == call else real(host)
         monkeypatch.setattr(launcher, "free_port", planned)
         raw = {"model": str(tiny_model("llama")), "engine": {"num_blocks": 32},
                "meta_server": {"port": 0, "ttl_seconds": 2.0}, "gateway": {"port": 0},
@@ -62,8 +64,10 @@ def test_a_planned_port_taken_before_the_node_binds_it_is_replaced(tmp_path, tin
         (tmp_path / "mesh.yaml").write_text(__import__("yaml").safe_dump(raw))
         try:
             mesh.start(timeout_s=120)
-            node = mesh.services["n0"]
-            assert node.port != port and grpc_util.port_in_use("127.0.0.1", node.port)
-            assert f"cannot bind 127.0.0.1:{port} (address in use?)" in node.log_path.read_text()
+            svc = mesh.services[service]
+            assert svc.port != port and grpc_util.port_in_use("127.0.0.1", svc.port)
+            assert f"cannot bind 127.0.0.1:{port} (address in use?)" in svc.log_path.read_text()
+            if service == "meta-server":
+                assert mesh.meta_address == svc.address
         finally:
             mesh.stop()
