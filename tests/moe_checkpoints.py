@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -40,6 +41,20 @@ def save(family: str, layout: str, out: Path, tokenizer_dir: Path):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / f, out / f)
     return model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, tiny_model):
+    """saved(family, layout) -> (folder, transformers model)."""
+    made = {}
+
+    def get(family: str, layout: str):
+        if (family, layout) not in made:
+            out = tmp_path_factory.mktemp(f"{family}-{layout}")
+            made[family, layout] = (out, save(family, layout, out, tiny_model("llama")))
+        return made[family, layout]
+
+    return get
 
 
 def greedy_reference(model, max_new_tokens: int = 10) -> tuple[torch.Tensor, list[int]]:

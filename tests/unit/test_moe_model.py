@@ -13,21 +13,7 @@ from safetensors.torch import load_file, save_file
 from common.engine import LLM, SamplingParams
 from common.model.config import model_config_from_dict
 from tests.conftest import assert_no_blocks_in_use
-from tests.moe_checkpoints import IDS, greedy_reference, save
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory, tiny_model):
-    """saved(family, layout) -> (folder, transformers model)."""
-    made = {}
-
-    def get(family: str, layout: str):
-        if (family, layout) not in made:
-            out = tmp_path_factory.mktemp(f"{family}-{layout}")
-            made[family, layout] = (out, save(family, layout, out, tiny_model("llama")))
-        return made[family, layout]
-
-    return get
-
+from tests.moe_checkpoints import IDS, greedy_reference, saved  # noqa: F401  (saved: a fixture)
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("layout", ["per-expert", "fused"])

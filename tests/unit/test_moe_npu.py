@@ -13,7 +13,7 @@ from common.model.layers.moe_router import Router, RouterConfig, route
 from kernels import get_backend
 from kernels.moe import routed_experts
 from tests.conftest import assert_no_blocks_in_use
-from tests.moe_checkpoints import IDS, greedy_reference, save
+from tests.moe_checkpoints import IDS, greedy_reference, saved  # noqa: F401  (saved: a fixture)
 
 HIDDEN, INTER, EXPERTS, TOP_K, TOKENS = 48, 32, 8, 2, 37
 MOE_OPS = ("npu_moe_init_routing_v2", "npu_grouped_matmul", "npu_swiglu", "npu_moe_finalize_routing")
@@ -137,20 +137,6 @@ def test_half_precision_experts_stay_close_to_the_float_reference(npu_emulator):
 
 
 # ---- the models ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory, tiny_model):
-    """saved(family, layout) -> (folder, transformers model)."""
-    made = {}
-
-    def get(family: str, layout: str):
-        if (family, layout) not in made:
-            out = tmp_path_factory.mktemp(f"{family}-{layout}")
-            made[family, layout] = (out, save(family, layout, out, tiny_model("llama")))
-        return made[family, layout]
-
-    return get
-
-
 @pytest.mark.parametrize("family,layout", [("qwen3_moe", "fused"), ("mixtral", "per-expert")])
 def test_moe_model_through_the_npu_emulator_equals_transformers(saved, npu_op_calls, family, layout):
     folder, theirs = saved(family, layout)
