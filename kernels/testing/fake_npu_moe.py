@@ -145,8 +145,8 @@ def npu_moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_gro
     return y.to(x.dtype), ids.to(torch.int32), norm_out
 
 
-def npu_moe_init_routing(x, row_idx, expert_idx, active_num):
-    op = "npu_moe_init_routing"
+def _routing_inputs(op: str, x, expert_idx) -> tuple[int, int]:
+    """(NUM_ROWS, K) of an init_routing op's x [NUM_ROWS, H] float and expert_idx int32 [NUM_ROWS, K]."""
     _require(x.dim() == 2, op, f"x must be 2-D [NUM_ROWS, H], got {x.dim()}-D")
     _float(op, "x", x)
     n = x.shape[0]
@@ -154,6 +154,12 @@ def npu_moe_init_routing(x, row_idx, expert_idx, active_num):
              f"expert_idx must be [NUM_ROWS = {n}, K], got {list(expert_idx.shape)}")
     k = expert_idx.shape[1]
     _int32(op, "expert_idx", expert_idx, (n, k))
+    return n, k
+
+
+def npu_moe_init_routing(x, row_idx, expert_idx, active_num):
+    op = "npu_moe_init_routing"
+    n, k = _routing_inputs(op, x, expert_idx)
     _int32(op, "row_idx", row_idx, (n, k))
     _require(isinstance(active_num, int) and active_num >= 0, op, f"active_num must be an int >= 0, got {active_num!r}")
     _require(x.numel() < 2 ** 24, op, f"x must hold fewer than 2^24 elements, got {x.numel()}")
@@ -201,13 +207,7 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_nu
                                   f"no offset)")
     if drop_pad_mode != 0:
         raise NotImplementedError(f"{op}: the emulator models dropless routing only (drop_pad_mode=0)")
-    _require(x.dim() == 2, op, f"x must be 2-D [NUM_ROWS, H], got {x.dim()}-D")
-    _float(op, "x", x)
-    n = x.shape[0]
-    _require(expert_idx.dim() == 2 and expert_idx.shape[0] == n, op,
-             f"expert_idx must be [NUM_ROWS = {n}, K], got {list(expert_idx.shape)}")
-    k = expert_idx.shape[1]
-    _int32(op, "expert_idx", expert_idx, (n, k))
+    n, k = _routing_inputs(op, x, expert_idx)
     _require(expert_tokens_num_type in (0, 1, 2), op,
              f"expert_tokens_num_type must be 0 (cumsum), 1 (count) or 2 (key_value), got {expert_tokens_num_type!r}")
     limit = MAX_EXPERT_NUM // 2 if expert_tokens_num_type == 2 else MAX_EXPERT_NUM
