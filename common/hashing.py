@@ -27,9 +27,12 @@ def _pack(token_ids: Sequence[int]) -> bytes:
 def layout_key(layout) -> str:
     """The layout part of every block hash: what two KV caches must share for a block to
     be valid in both. `layout` is anything with dtype, num_layers, num_kv_heads, head_dim,
-    block_size and scales_id (common.kv_layout.KVLayout or its proto)."""
+    block_size, scales_id and kind (common.kv_layout.KVLayout or its proto). A latent (MLA)
+    cache's key says so: its rows are not a head's K and V."""
     key = (f"{layout.dtype}:L{layout.num_layers}:H{layout.num_kv_heads}"
            f":D{layout.head_dim}:B{layout.block_size}")
+    if layout.kind == "latent":
+        key += ":latent"
     return f"{key}:{layout.scales_id}" if layout.scales_id else key
 
 

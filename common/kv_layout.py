@@ -1,7 +1,9 @@
 """Where a node's KV cache lives in memory, as published to peers.
 
-The cache is one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`
-(dim 1: 0 = K, 1 = V). An int8 cache (C8) also names its scales (`scales_id`): codes
+The cache is one tensor `[num_layers, planes, num_blocks, block_size, num_kv_heads, head_dim]`.
+Its `kind` says what the planes are: "kv", two planes (0 = K, 1 = V) of per-head rows; or
+"latent", MLA's one plane of one "head" of latent rows (kv_lora_rank + rope wide: every
+tensor-parallel rank holds the same, layers/mla.py). An int8 cache (C8) also names its scales (`scales_id`): codes
 written under one set of scales are garbage read under another. Layer and K/V strides are free, but each block must be one
 contiguous span of `block_bytes` and consecutive blocks must be adjacent (dims 2-5
 contiguous), so that a run of blocks is a single byte range.
@@ -18,7 +20,8 @@ ITEMSIZE = {
     "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1,
 }
 SCALES_ID = re.compile(r"c8:[0-9a-f]{16}")      # formats/msmodelslim.py kv_scales_id
-MUST_MATCH = ("dtype", "scales_id", "num_layers", "block_size", "num_kv_heads", "head_dim")
+MUST_MATCH = ("kind", "dtype", "scales_id", "num_layers", "block_size", "num_kv_heads", "head_dim")
+PLANES = {"kv": 2, "latent": 1}
 
 
 @dataclass(frozen=True)
@@ -32,8 +35,11 @@ class KVLayout:
     base_address: int
     strides: tuple[int, ...]
     scales_id: str = ""      # an int8 (C8) cache: which scales its codes mean something under
+    kind: str = "kv"         # one of PLANES
 
     def __post_init__(self) -> None:
+        if self.kind not in PLANES:
+            raise ValueError(f"kind must be one of {sorted(PLANES)}, got {self.kind!r}")
         if self.dtype not in ITEMSIZE:
             raise ValueError(f"dtype {self.dtype!r} not supported; allowed: {sorted(ITEMSIZE)}")
         if self.scales_id and not SCALES_ID.fullmatch(self.scales_id):
@@ -51,17 +57,25 @@ class KVLayout:
 
     @classmethod
     def of_tensor(cls, kv_cache, scales_id: str = "") -> KVLayout:
-        """Layout of a torch tensor `[L, 2, num_blocks, block_size, heads, head_dim]`;
-        scales_id: an int8 cache's (the model's kv_scales_id)."""
-        if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
-            raise ValueError(f"KV cache shape {tuple(kv_cache.shape)} must be "
-                             "[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]")
+        """Layout of a torch tensor `[L, planes, num_blocks, block_size, heads, head_dim]`
+        (2 planes: "kv"; 1: "latent", one head); scales_id: an int8 cache's (the model's
+        kv_scales_id)."""
+        kind = {2: "kv", 1: "latent"}.get(kv_cache.shape[1]) if kv_cache.dim() == 6 else None
+        if kind is None or (kind == "latent" and kv_cache.shape[4] != 1):
+            raise ValueError(f"KV cache shape {tuple(kv_cache.shape)} must be [num_layers, 2, num_blocks, "
+                             "block_size, num_kv_heads, head_dim] or, latent, [num_layers, 1, num_blocks, "
+                             "block_size, 1, width]")
         item = kv_cache.element_size()
         num_layers, _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         return cls(dtype=str(kv_cache.dtype).removeprefix("torch."), num_layers=num_layers,
                    num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
                    head_dim=head_dim, base_address=kv_cache.data_ptr(),
-                   strides=tuple(s * item for s in kv_cache.stride()), scales_id=scales_id)
+                   strides=tuple(s * item for s in kv_cache.stride()), scales_id=scales_id, kind=kind)
+
+    @property
+    def planes(self) -> int:
+        """The cache's dim 1: K and V, or the one latent plane."""
+        return PLANES[self.kind]
 
     @property
     def itemsize(self) -> int:
@@ -74,13 +88,13 @@ class KVLayout:
     @property
     def span_bytes(self) -> int:
         """Bytes from base_address to the end of the last block (what to register)."""
-        last = sum((n - 1) * s for n, s in zip((self.num_layers, 2, self.num_blocks), self.strides))
+        last = sum((n - 1) * s for n, s in zip((self.num_layers, self.planes, self.num_blocks), self.strides))
         return last + self.block_bytes
 
     def block_address(self, layer: int, kv: int, block_id: int) -> int:
-        if not (0 <= layer < self.num_layers and kv in (0, 1) and 0 <= block_id < self.num_blocks):
-            raise ValueError(f"(layer, kv, block_id) = ({layer}, {kv}, {block_id}) outside "
-                             f"[0, {self.num_layers}) x {{0, 1}} x [0, {self.num_blocks})")
+        if not (0 <= layer < self.num_layers and 0 <= kv < self.planes and 0 <= block_id < self.num_blocks):
+            raise ValueError(f"(layer, plane, block_id) = ({layer}, {kv}, {block_id}) outside "
+                             f"[0, {self.num_layers}) x [0, {self.planes}) x [0, {self.num_blocks})")
         s = self.strides
         return self.base_address + layer * s[0] + kv * s[1] + block_id * s[2]
 
@@ -98,5 +112,7 @@ class KVLayout:
 
     @classmethod
     def from_proto(cls, msg: common_pb2.KVLayout) -> KVLayout:
-        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls) if f.name != "strides"},
-                   strides=tuple(msg.strides))
+        """ValueError naming the field for a layout that cannot be (an unknown kind, ...)."""
+        values = {f.name: getattr(msg, f.name) for f in fields(cls) if f.name != "strides"}
+        values["kind"] = values["kind"] or "kv"     # a peer from before the field: always K and V
+        return cls(**values, strides=tuple(msg.strides))

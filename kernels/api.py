@@ -103,6 +103,13 @@ class Backend(ABC):
         """Store key/value [num_tokens, num_kv_heads, head_dim] into the caches (mutated in
         place) at slot_mapping (int64 [num_tokens]); a slot of -1 is skipped."""
 
+    def write_latent(self, latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """MLA: store latent rows [num_tokens, 1, kv_lora_rank + rope] into the latent cache
+        [num_blocks, block_size, 1, kv_lora_rank + rope] (in place) at slot_mapping; a slot
+        of -1 is skipped."""
+        valid = slot_mapping >= 0
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping[valid], latent[valid].to(cache.dtype))
+
     @abstractmethod
     def prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PrefillMetadata,

@@ -101,8 +101,8 @@ class LLMEngine:
                              f"kernel backend, got {self.block_size}")
         self.dtype = resolve_dtype(config.dtype, self.device)
         kv_itemsize = 1 if quantization_config(config.model).kv_cache_int8 else self.dtype.itemsize
-        per_block = (mcfg.num_layers * 2 * self.block_size * self.shard.num_kv_heads * mcfg.head_dim
-                     * kv_itemsize)       # per rank: each holds its KV heads
+        per_block = (mcfg.num_layers * mcfg.kv_planes * self.block_size * self.shard.num_kv_heads
+                     * mcfg.head_dim * kv_itemsize)       # per rank: each holds its KV heads (MLA: the latent)
         self.num_blocks = config.num_blocks or max(1, config.kv_cache_memory // per_block)
         limit = min(mcfg.max_position_embeddings, self.num_blocks * self.block_size)
         if mcfg.sliding_window:

@@ -44,10 +44,38 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    moe_routing: str = "softmax"           # layers/moe_router.py ROUTING
+    n_group: int = 1                       # DeepSeek's grouped routers
+    topk_group: int = 1
+    topk_method: str = "greedy"            # DeepSeek-V2
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0              # DeepSeek: one dense MLP of n * moe_intermediate_size
+    # Multi-head latent attention (DeepSeek-V2/V3, layers/mla.py) when kv_lora_rank > 0: the
+    # cache holds one latent "head" (num_kv_heads 1, head_dim kv_lora_rank + qk_rope_head_dim)
+    q_lora_rank: int = 0                   # 0: one q_proj, no low-rank query
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False          # rotary pairs (x0, x1), (x2, x3), ... (DeepSeek's layout)
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def uses_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_planes(self) -> int:
+        """The KV cache's dim 1: K and V (2), or MLA's one latent (1)."""
+        return 1 if self.uses_mla else 2
+
+    @property
+    def rope_dim(self) -> int:
+        """The width rotary embedding turns: a head's, or MLA's rope part."""
+        return self.qk_rope_head_dim if self.uses_mla else self.head_dim
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
@@ -90,7 +118,8 @@ def model_config_from_dict(raw: dict[str, Any], source: str = "config.json") -> 
     except KeyError as e:
         raise ValueError(f"{source}: missing required field {e.args[0]!r}") from None
     num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
-    if num_heads % num_kv_heads:
+    mla = _mla(raw, kind, source)     # its num_key_value_heads means nothing: one latent is cached
+    if not mla and num_heads % num_kv_heads:
         raise ValueError(f"{source}: num_attention_heads={num_heads} must be a multiple of "
                          f"num_key_value_heads={num_kv_heads}")
     head_dim = int(raw.get("head_dim") or hidden // num_heads)
@@ -101,6 +130,9 @@ def model_config_from_dict(raw: dict[str, Any], source: str = "config.json") -> 
         qkv_bias = bool(raw.get("attention_bias", False))
     sliding = raw.get("sliding_window") if raw.get("use_sliding_window", kind in ("mistral", "mixtral")) else None
     moe = _moe(raw, kind, cfg_fields["num_layers"], cfg_fields["intermediate_size"], source)
+    if mla:
+        num_kv_heads, head_dim = 1, mla["kv_lora_rank"] + mla["qk_rope_head_dim"]
+        qkv_bias = False        # MLA's attention_bias is its down-projections' (layers/mla.py)
     return ModelConfig(
         architecture=arch,
         model_type=kind,
@@ -122,8 +154,27 @@ def model_config_from_dict(raw: dict[str, Any], source: str = "config.json") -> 
         eos_token_ids=_eos_ids(raw.get("eos_token_id")),
         sliding_window=int(sliding) if sliding else None,
         **moe,
+        **mla,
         **cfg_fields,
     )
+
+
+def _mla(raw: dict[str, Any], kind: str, source: str) -> dict[str, Any]:
+    """The latent-attention fields of a DeepSeek-V2/V3 config ({} otherwise); the
+    defaults are transformers' for a field the file leaves out."""
+    if kind not in ("deepseek_v2", "deepseek_v3"):
+        return {}
+    mla = dict(q_lora_rank=int(raw.get("q_lora_rank", 1536) or 0), kv_lora_rank=int(raw.get("kv_lora_rank", 512)),
+               qk_nope_head_dim=int(raw.get("qk_nope_head_dim", 128)),
+               qk_rope_head_dim=int(raw.get("qk_rope_head_dim", 64)), v_head_dim=int(raw.get("v_head_dim", 128)),
+               # transformers' DeepSeek-V2 always turns interleaved pairs; V3 has the switch
+               rope_interleave=kind == "deepseek_v2" or bool(raw.get("rope_interleave", True)))
+    for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+        if mla[name] < 1:
+            raise ValueError(f"{source}: {name} must be >= 1, got {mla[name]}")
+    if mla["qk_rope_head_dim"] % 2:
+        raise ValueError(f"{source}: qk_rope_head_dim must be even, got {mla['qk_rope_head_dim']}")
+    return mla
 
 
 def _moe(raw: dict[str, Any], kind: str, num_layers: int, intermediate: int, source: str) -> dict[str, Any]:
@@ -131,6 +182,8 @@ def _moe(raw: dict[str, Any], kind: str, num_layers: int, intermediate: int, sou
     layer i is sparse if i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0;
     Mixtral: every layer, its experts intermediate_size wide, always renormalised. Both
     spellings of the expert count (num_experts, num_local_experts) are read."""
+    if kind in ("deepseek_v2", "deepseek_v3"):
+        return _deepseek_moe(raw, kind, num_layers, source)
     if kind not in ("qwen3_moe", "mixtral"):
         return {}
     experts = raw.get("num_experts") or raw.get("num_local_experts")
@@ -146,6 +199,26 @@ def _moe(raw: dict[str, Any], kind: str, num_layers: int, intermediate: int, sou
                 num_experts=int(experts), num_experts_per_tok=int(raw["num_experts_per_tok"]),
                 moe_intermediate_size=int(raw.get("moe_intermediate_size") or intermediate),
                 norm_topk_prob=bool(raw.get("norm_topk_prob", False)))
+
+
+def _deepseek_moe(raw: dict[str, Any], kind: str, num_layers: int, source: str) -> dict[str, Any]:
+    """DeepSeek-V2/V3: layer i is sparse if i >= first_k_dense_replace and i % moe_layer_freq
+    == 0 (DeepSeek's own rule; transformers' omits the frequency, 1 in every released config);
+    V3 routes by grouped sigmoid scores, V2 by softmax (greedy or group-limited)."""
+    experts, top_k = raw.get("n_routed_experts"), raw.get("num_experts_per_tok")
+    if not experts or not top_k:
+        raise ValueError(f"{source}: a {kind} config needs n_routed_experts and num_experts_per_tok")
+    first_dense = int(raw.get("first_k_dense_replace", 3 if kind == "deepseek_v3" else 0) or 0)
+    freq = int(raw.get("moe_layer_freq", 1) or 1)
+    v3 = kind == "deepseek_v3"
+    return dict(moe_layers=tuple(i for i in range(num_layers) if i >= first_dense and i % freq == 0),
+                num_experts=int(experts), num_experts_per_tok=int(top_k),
+                moe_intermediate_size=int(raw.get("moe_intermediate_size") or 1407),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", v3)), moe_routing=kind,
+                n_group=int(raw.get("n_group") or 1), topk_group=int(raw.get("topk_group") or 1),
+                topk_method=str(raw.get("topk_method") or "greedy"),
+                routed_scaling_factor=float(raw.get("routed_scaling_factor", 2.5 if v3 else 1.0)),
+                n_shared_experts=int(raw.get("n_shared_experts") or 0))
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:

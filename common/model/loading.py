@@ -6,6 +6,7 @@ that drops a tensor ships garbage). A tensor-parallel rank reads only its part o
 tensor (the slot's `source`)."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Protocol
 
@@ -14,6 +15,8 @@ import torch
 from common.model.formats.checkpoint import iter_checkpoint
 from common.model.layers.weight_slots import Slot
 
+log = logging.getLogger(__name__)
+
 
 class Loadable(Protocol):
     def weight_slots(self) -> dict[str, Slot]: ...
@@ -21,6 +24,14 @@ class Loadable(Protocol):
     def ignored_tensors(self) -> tuple[set[str], tuple[str, ...]]:
         """(names, name suffixes) of checkpoint tensors the model does not read."""
         ...
+
+
+def ignored_prefixes(model: Loadable) -> dict[str, str]:
+    """Name prefix -> why: whole modules a checkpoint carries that the model does not
+    run (DeepSeek-V3's multi-token-prediction layer); a model may define
+    `ignored_prefixes()`, said in the log when such tensors were skipped."""
+    method = getattr(model, "ignored_prefixes", None)
+    return method() if method is not None else {}
 
 
 @torch.inference_mode()
@@ -32,6 +43,8 @@ def load_weights(model: Loadable, model_dir: str | Path, dtype: torch.dtype, wha
     model, for the errors."""
     slots = model.weight_slots()
     ignored_names, ignored_suffixes = model.ignored_tensors()
+    prefixes = ignored_prefixes(model)
+    skipped = dict.fromkeys(prefixes, 0)
     sources = {name: slot.source for name, slot in slots.items() if slot.source is not None}
     for name in ignored_names:
         sources[name] = (slice(0, 0),)   # read none of it
@@ -40,6 +53,10 @@ def load_weights(model: Loadable, model_dir: str | Path, dtype: torch.dtype, wha
         slot = slots.get(name)
         if slot is None:
             if name in ignored_names or name.endswith(ignored_suffixes):
+                continue
+            prefix = next((p for p in prefixes if name.startswith(p)), None)
+            if prefix is not None:
+                skipped[prefix] += 1
                 continue
             raise ValueError(f"{path}: unexpected tensor {name!r} for {what}")
         if shape != slot.full_shape:
@@ -53,6 +70,9 @@ def load_weights(model: Loadable, model_dir: str | Path, dtype: torch.dtype, wha
                              f"({str(slot.param.dtype).removeprefix('torch.')}) for {what}'s quantization")
         slot.param.data[slot.start:slot.end].copy_(tensor)
         loaded.add(name)
+    for prefix, count in skipped.items():
+        if count:
+            log.info("skipped %d tensor(s) under %s*: %s", count, prefix, prefixes[prefix])
     missing = sorted(name for name in set(slots) - loaded if not slots[name].optional)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")

@@ -32,6 +32,8 @@ ARCHITECTURES: dict[str, Family] = {
     "Qwen3ForCausalLM": Family("qwen3", _LLAMA, "LlamaForCausalLM"),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", _LLAMA, "LlamaForCausalLM"),
     "MixtralForCausalLM": Family("mixtral", _LLAMA, "LlamaForCausalLM"),
+    "DeepseekV2ForCausalLM": Family("deepseek_v2", "common.model.models.deepseek", "DeepseekForCausalLM"),
+    "DeepseekV3ForCausalLM": Family("deepseek_v3", "common.model.models.deepseek", "DeepseekForCausalLM"),
 }
 
 

@@ -32,8 +32,8 @@ def load_rank(mcfg, backend, dtype: torch.dtype, device: torch.device, model_dir
               max_model_len: int, num_blocks: int, block_size: int,
               w8a8_mix_path: str = "dynamic", lm_head_int8: bool = False) -> tuple[torch.nn.Module, torch.Tensor]:
     """One rank's model (its shard's weights, read from model_dir, on device, linears
-    prepared) and its zeroed KV cache [num_layers, 2, num_blocks, block_size, its KV
-    heads, head_dim] (int8 for a C8 checkpoint): what rank 0 (LLMEngine) and every worker (common/parallel/worker.py)
+    prepared) and its zeroed KV cache [num_layers, kv_planes, num_blocks, block_size, its KV
+    heads, head_dim] (MLA: one plane of one latent head) (int8 for a C8 checkpoint): what rank 0 (LLMEngine) and every worker (common/parallel/worker.py)
     build alike. lm_head_int8: the vocabulary matrix in int8 (layers/int8_vocab.py). ValueError naming the problem for a checkpoint the engine cannot read."""
     model = build_model(mcfg, backend, dtype, max_positions=max_model_len, shard=shard,
                         quant=quantization_config(model_dir, w8a8_mix_path))
@@ -43,7 +43,7 @@ def load_rank(mcfg, backend, dtype: torch.dtype, device: torch.device, model_dir
         model.kv_scales_id = kv_scales_id(model_dir)
     model.to(device)
     model.prepare_linears(lm_head_int8)
-    kv_cache = torch.zeros(mcfg.num_layers, 2, num_blocks, block_size, shard.num_kv_heads, mcfg.head_dim,
+    kv_cache = torch.zeros(mcfg.num_layers, mcfg.kv_planes, num_blocks, block_size, shard.num_kv_heads, mcfg.head_dim,
                            dtype=model.kv_cache_dtype, device=device)
     return model, kv_cache
 

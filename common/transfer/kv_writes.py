@@ -2,7 +2,7 @@
 
 Address arithmetic (strides in bytes, from KVLayout):
 
-    kv_cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache [num_layers, planes, num_blocks, block_size, num_kv_heads, head_dim] (2 planes, K and V; MLA's 1)
 
     base_address
     |
@@ -89,7 +89,7 @@ def plan_block_writes(src: KVLayout, dst: KVLayout, src_block_ids: Sequence[int]
     last = len(runs) - 1
     return [(src.block_address(layer, kv, s), dst.block_address(layer, kv, d),
              n * src.block_bytes - (short if i == last else 0))
-            for layer in layers for kv in (0, 1) for i, (s, d, n) in enumerate(runs)]
+            for layer in layers for kv in range(src.planes) for i, (s, d, n) in enumerate(runs)]
 
 
 def plan_head_slice_writes(src: KVLayout, dst: KVLayout, head_offset: int, src_block_ids: Sequence[int],
@@ -118,7 +118,7 @@ def plan_head_slice_writes(src: KVLayout, dst: KVLayout, head_offset: int, src_b
     last = len(src_block_ids) - 1
     return [(src.block_address(layer, kv, s) + t * slot_src, dst.block_address(layer, kv, d) + t * slot_dst + offset,
              length)
-            for layer in layers for kv in (0, 1) for i, (s, d) in enumerate(zip(src_block_ids, dst_block_ids))
+            for layer in layers for kv in range(src.planes) for i, (s, d) in enumerate(zip(src_block_ids, dst_block_ids))
             for t in range(last_block_tokens if i == last and last_block_tokens is not None else src.block_size)]
 
 

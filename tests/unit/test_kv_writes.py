@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from common.hashing import layout_key
 from common.kv_layout import KVLayout
 from common.transfer import (KVSender, TransferError, block_runs, plan_block_reads,
                              plan_block_writes)
@@ -43,8 +44,33 @@ def test_layout_rejects_blocks_that_are_not_adjacent():
         KVLayout.of_tensor(torch.zeros(2, 2, 8, 4, 2, 8)[:, :, ::2])
     with pytest.raises(ValueError, match="dtype 'int4' not supported"):
         layout(dtype="int4")
-    with pytest.raises(ValueError, match=r"outside \[0, 2\) x \{0, 1\} x \[0, 8\)"):
+    with pytest.raises(ValueError, match=r"outside \[0, 2\) x \[0, 2\) x \[0, 8\)"):
         SRC.block_address(0, 0, 8)
+    with pytest.raises(ValueError, match="kind must be one of \\['kv', 'latent'\\], got 'mla'"):
+        layout(kind="mla")
+
+
+def test_latent_layout_has_one_plane_and_its_own_hash_key():
+    """MLA's cache (layers/mla.py): one plane of one latent head; its writes copy that
+    plane only, and its blocks never hash like a K/V cache's of the same shape."""
+    cache = torch.zeros(2, 1, 8, 4, 1, 24)
+    lay = KVLayout.of_tensor(cache)
+    assert (lay.kind, lay.planes, lay.block_bytes) == ("latent", 1, 4 * 24 * 4)
+    assert lay.span_bytes == cache.numel() * 4
+    assert lay.block_address(1, 0, 3) == cache[1, 0, 3].data_ptr()
+    with pytest.raises(ValueError, match=r"outside \[0, 2\) x \[0, 1\) x \[0, 8\)"):
+        lay.block_address(0, 1, 0)
+    dst = KVLayout.of_tensor(torch.zeros(2, 1, 6, 4, 1, 24))
+    writes = plan_block_writes(lay, dst, [4, 5], [0, 1])
+    assert writes == [(lay.block_address(layer, 0, 4), dst.block_address(layer, 0, 0), 2 * lay.block_bytes)
+                      for layer in (0, 1)]
+    as_kv = KVLayout.of_tensor(torch.zeros(2, 2, 8, 4, 1, 24))
+    assert layout_key(lay) != layout_key(as_kv) and layout_key(lay).endswith(":latent")
+    with pytest.raises(ValueError, match="incompatible KV layouts.*kind 'latent' != 'kv'"):
+        lay.check_compatible(as_kv)
+    assert KVLayout.from_proto(lay.to_proto()) == lay
+    with pytest.raises(ValueError, match=r"latent, \[num_layers, 1, num_blocks, block_size, 1, width\]"):
+        KVLayout.of_tensor(torch.zeros(2, 1, 8, 4, 2, 24))
 
 
 def test_layout_proto_round_trip():

@@ -63,9 +63,11 @@ class GQAAttention(nn.Module):
             slots.update(self.kv_int8.weight_slots(prefix))
         return slots
 
-    def forward(self, x: torch.Tensor, batch: StepBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def forward(self, x: torch.Tensor, batch: StepBatch, cache: torch.Tensor,
                 backend: Backend, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """cache: this layer's [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, values)."""
         n, hd = x.shape[0], self.head_dim
+        k_cache, v_cache = cache[0], cache[1]
         q, k, v = self.qkv(x, backend).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, hd)
         k = k.view(n, self.num_kv_heads, hd)

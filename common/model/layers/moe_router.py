@@ -36,6 +36,7 @@ from common.model.layers.weight_slots import Slot, new_param
 from kernels.moe import keep_best_groups, sigmoid_grouped_top_k, softmax_top_k
 
 if TYPE_CHECKING:
+    from common.model.config import ModelConfig
     from kernels import Backend
 
 ROUTING = ("softmax", "deepseek_v3", "deepseek_v2")
@@ -68,6 +69,13 @@ class RouterConfig:
                              f"at least 2 experts a group, got {self.num_experts} experts in {self.n_group}")
         if self.routing == "deepseek_v2" and self.topk_method not in TOPK_METHODS:
             raise ValueError(f"topk_method must be one of {TOPK_METHODS}, got {self.topk_method!r}")
+
+
+def router_config(cfg: ModelConfig) -> RouterConfig:
+    """The router of a MoE model's config (ValueError naming the field when it is not one)."""
+    return RouterConfig(cfg.moe_routing, cfg.num_experts, cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob,
+                        n_group=cfg.n_group, topk_group=cfg.topk_group,
+                        routed_scaling_factor=cfg.routed_scaling_factor, topk_method=cfg.topk_method)
 
 
 def route(logits: torch.Tensor, cfg: RouterConfig,

@@ -1,6 +1,8 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and the MoE ones, Qwen3-MoE and
-Mixtral): GQA attention and a gated MLP per layer (a sparse MoE MLP on the config's MoE
-layers, layers/moe.py), pre-norm residuals, over a paged KV cache.
+Mixtral; DeepSeek-V2/V3 in models/deepseek.py): an attention variant and an MLP variant per
+layer, pre-norm residuals, over a paged KV cache. Attention: GQA (layers/attention.py), or
+MLA over a latent cache (layers/mla.py) when the config has a kv_lora_rank; MLP: gated
+dense, or a sparse MoE (layers/moe.py) on the config's MoE layers.
 
     h = embed(ids)
     for each layer:  h += attn(rms(h));  h += mlp(rms(h))
@@ -8,9 +10,10 @@ layers, layers/moe.py), pre-norm residuals, over a paged KV cache.
 
 (each `h += sublayer` is folded into the norm after it: backend.add_rms_norm)
 
-The families differ only in config (biases, Qwen3's q/k norms, tied head), resolved in
-common/model/config.py. KV cache: one tensor [num_layers, 2, num_blocks, block_size,
-num_kv_heads, head_dim]; layer l reads kv_cache[l, 0] (keys) and kv_cache[l, 1] (values).
+The families differ only in config (biases, Qwen3's q/k norms, tied head, routers),
+resolved in common/model/config.py. KV cache: one tensor [num_layers, kv_planes,
+num_blocks, block_size, num_kv_heads, head_dim]; layer l's attention gets kv_cache[l]: GQA
+reads [0] (keys) and [1] (values), MLA its one latent plane [0].
 Layers, linear methods and tensor-parallel sharding live in common/model/layers/.
 """
 from __future__ import annotations
@@ -26,16 +29,17 @@ from common.model.config import ModelConfig
 from common.model.layers.attention import GQAAttention
 from common.model.layers.embedding import LMHead, VocabEmbedding
 from common.model.layers.linear import Linear
+from common.model.layers.mla import MLAAttention
 from common.model.layers.mlp import GatedMLP
 from common.model.layers.moe import SparseMoE
-from common.model.layers.moe_router import RouterConfig
+from common.model.layers.moe_router import router_config
 from common.model.layers.norm import RMSNorm
 from common.model.layers.quant_config import FloatConfig, QuantizationConfig
 from common.model.layers.weight_slots import Slot
 from common.model.loading import load_weights
 from common.model.step_batch import StepBatch
 from common.parallel.shard import TPShard, whole_model
-from kernels import Backend, rope_cos_sin, rope_inv_freq
+from kernels import Backend, rope_attention_factor, rope_cos_sin, rope_inv_freq
 
 if TYPE_CHECKING:
     from common.parallel.group import TPGroup
@@ -47,13 +51,14 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         prefix = f"model.layers.{index}."
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = GQAAttention(cfg, shard, quant, prefix + "self_attn.", dtype)
+        attention = MLAAttention if cfg.uses_mla else GQAAttention
+        self.self_attn = attention(cfg, shard, quant, prefix + "self_attn.", dtype)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if index in cfg.moe_layers:
             mixtral = cfg.model_type == "mixtral"
-            router = RouterConfig("softmax", cfg.num_experts, cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob)
-            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, router, prefix, dtype, shard, quant,
-                                 naming="mixtral" if mixtral else "qwen3_moe")
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, router_config(cfg), prefix, dtype,
+                                 shard, quant, naming="mixtral" if mixtral else "qwen3_moe",
+                                 shared_intermediate_size=cfg.moe_intermediate_size * cfg.n_shared_experts)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, shard, quant, prefix + "mlp.", dtype,
                                 bias=cfg.mlp_bias)
@@ -83,8 +88,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, sh, dtype,
                               tied_to=self.embed if cfg.tie_word_embeddings else None)
         self.group: TPGroup | None = None
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        cos, sin = rope_cos_sin(inv_freq, max_positions or cfg.max_position_embeddings)
+        inv_freq = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = rope_cos_sin(inv_freq, max_positions or cfg.max_position_embeddings,
+                                attention_factor=rope_attention_factor(cfg.rope_scaling))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.dense_bytes: dict[str, int] = {}   # parameter name -> bytes as loaded (an int8 head's: its codes and scales)
@@ -138,10 +144,13 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head.prepared is not None:
             raise RuntimeError("prepare_linears() was already called")
         self.dense_bytes = {name: p.numel() * p.element_size() for name, p in self.named_parameters()}
+        for layer in self.layers:
+            if isinstance(layer.self_attn, MLAAttention):
+                layer.self_attn.absorb()       # needs kv_b_proj's dense weight, before it is packed
         for _, linear in self.linears():
             linear.prepare(self.backend)
         for layer in self.layers:
-            if layer.self_attn.kv_int8 is not None:
+            if getattr(layer.self_attn, "kv_int8", None) is not None:
                 layer.self_attn.kv_int8.prepare()
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.prepare(self.backend)
@@ -163,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
         residual = self.embed(input_ids)
         x = self.layers[0].input_norm(residual, backend)
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn(x, batch, kv_cache[i, 0], kv_cache[i, 1], backend, cos, sin)
+            attn = layer.self_attn(x, batch, kv_cache[i], backend, cos, sin)
             if on_layer is not None:
                 on_layer(i)
             mlp = layer.mlp(layer.post_attn_norm(attn, backend, residual), backend)
