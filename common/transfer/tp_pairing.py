@@ -8,6 +8,10 @@ node at TP p pushes into a decode node at TP d when
     p == k * d (k > 1) and each prefill rank holds distinct heads, k of them making one
       decode rank's (prefill rank i writes its heads into decode rank i // k, at head
       offset (i % k) * h_p): what vLLM-Ascend serves.
+An MLA model's latent cache (KVLayout kind "latent") has no heads to split: every rank
+of a node holds the same cache, so any p pushes into any d: decode rank j gets its copy,
+whole blocks, from prefill rank j % p (the copies spread over the prefill ranks; a prefill
+rank past d writes nothing).
 Anything else (p < d: a prefill rank would have to split its heads over decode ranks;
 replicated prefill heads at p > d; head counts that do not line up) is refused when the
 route is chosen (services/meta_server/router.py), with the reason below, never
@@ -28,10 +32,13 @@ class RankWrite:
     head_offset: int
 
 
-def pairing_refusal(p: int, heads_p: int, d: int, heads_d: int) -> str | None:
+def pairing_refusal(p: int, heads_p: int, d: int, heads_d: int, latent: bool = False) -> str | None:
     """None when a prefill node at TP p (heads_p KV heads per rank) can push into a
-    decode node at TP d (heads_d per rank); else why not, in words for an operator."""
+    decode node at TP d (heads_d per rank); else why not, in words for an operator.
+    latent: both caches are MLA's (always served)."""
     p, d = max(p, 1), max(d, 1)
+    if latent:
+        return None
     if p < d:
         return (f"prefill TP {p} < decode TP {d}: a prefill rank would split its KV heads over decode "
                 f"ranks (served: prefill TP = decode TP, or a multiple of it)")
@@ -45,11 +52,13 @@ def pairing_refusal(p: int, heads_p: int, d: int, heads_d: int) -> str | None:
     return None
 
 
-def rank_writes(p: int, heads_p: int, d: int, heads_d: int) -> list[RankWrite]:
+def rank_writes(p: int, heads_p: int, d: int, heads_d: int, latent: bool = False) -> list[RankWrite]:
     """Which prefill rank writes which decode rank (ValueError when not served)."""
-    refusal = pairing_refusal(p, heads_p, d, heads_d)
+    refusal = pairing_refusal(p, heads_p, d, heads_d, latent)
     if refusal is not None:
         raise ValueError(refusal)
     p, d = max(p, 1), max(d, 1)
+    if latent:
+        return [RankWrite(j % p, j, 0) for j in range(d)]
     k = p // d
     return [RankWrite(i, i // k, (i % k) * heads_p) for i in range(p)]

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import re
 
+from common.kv_layout import PLANES
+
 NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 MAX_FIELD_CHARS = 256     # address, model_id, transfer endpoint, instance_id
+
 TRANSFER_BACKENDS = ("mooncake", "grpc", "fake")
 MAX_TENSOR_PARALLEL = 64
 # what every rank of a node has alike (each its own heads and addresses)
-RANK_SHARED_FIELDS = ("dtype", "scales_id", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim")
+RANK_SHARED_FIELDS = ("kind", "dtype", "scales_id", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim")
 
 
 def node_info_error(node) -> str:
@@ -34,6 +37,8 @@ def node_info_error(node) -> str:
                           *((f"node.kv_ranks[{i}].layout", r.layout) for i, r in enumerate(node.kv_ranks))):
         if len(layout.dtype) > 32 or len(layout.strides) > 8:
             return f"{where}: dtype at most 32 characters, at most 8 strides"
+        if layout.kind not in ("", *PLANES):     # "": a node from before the field (K and V)
+            return f"{where}.kind must be one of {', '.join(PLANES)}"
     if not 0 <= node.tensor_parallel_size <= MAX_TENSOR_PARALLEL:
         return f"node.tensor_parallel_size must be in [0, {MAX_TENSOR_PARALLEL}] (0 or 1: one rank)"
     if len(node.kv_ranks) not in (0, max(node.tensor_parallel_size, 1)):

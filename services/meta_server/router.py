@@ -142,7 +142,7 @@ class Router:
         fit = []
         for m in prefills:
             p, heads_p = tp_shape(m)
-            refusal = pairing_refusal(p, heads_p, d, heads_d)
+            refusal = pairing_refusal(p, heads_p, d, heads_d, latent_cache(decode) and latent_cache(m))
             if refusal is None:
                 fit.append(m)
             elif (p, heads_p, d, heads_d) not in self._tp_refusals_logged:
@@ -204,6 +204,11 @@ class Router:
         self.index.forget(node_id)
         self.routed_by_node.pop(node_id, None)
         self.node_roles.pop(node_id, None)
+
+
+def latent_cache(member: Member) -> bool:
+    """An MLA model's node: its ranks hold the same latent cache (any TP pairs with any)."""
+    return member.info.kv_layout.kind == "latent"
 
 
 def tp_shape(member: Member) -> tuple[int, int]:

@@ -5,6 +5,8 @@ its heads (common/transfer/tp_pairing.py).
     prefill TP p, decode TP d      rank pairs (src -> dst, head offset)
     p = d = 1                      0 -> 0                      whole blocks
     p = d                          i -> i                      whole blocks, per rank
+    latent (MLA), any p, d         j % p -> j                  whole blocks: every rank
+                                                               holds the same latent cache
     p = k * d                      i -> i // k at (i % k) * h  head slices (a write per
                                                                token slot: kv_writes.py)
                                    staged (a prefill node's    rank 0 gathers every rank's
@@ -65,8 +67,10 @@ def rank_targets(own: Sequence[KVLayout], dest: Sequence[tuple[str, KVLayout]]) 
     """own: this node's rank layouts (rank 0 first); dest: the decode node's (endpoint,
     layout) per rank. ValueError, in words, for a pair that cannot be served."""
     p, d = len(own), len(dest)
-    pairs = rank_writes(p, own[0].num_kv_heads, d, dest[0][1].num_kv_heads)
-    return [RankTarget(w.src, dest[w.dst][0], dest[w.dst][1], None if p == d else w.head_offset) for w in pairs]
+    latent = own[0].kind == "latent"        # a decode cache of another kind: check_compatible refuses it
+    pairs = rank_writes(p, own[0].num_kv_heads, d, dest[0][1].num_kv_heads, latent)
+    whole = p == d or latent
+    return [RankTarget(w.src, dest[w.dst][0], dest[w.dst][1], None if whole else w.head_offset) for w in pairs]
 
 
 class RankPairWrites:
@@ -147,7 +151,7 @@ def destination_writes(sender: KVSender, writers: RankWriters | None, own: Seque
     for t in targets:
         own[t.src].check_compatible(t.layout, same_heads=t.head_offset is None)
     slices = RankPairWrites(sender, writers, targets)
-    if staging is None or len(own) == len(dest):
+    if staging is None or len(own) == len(dest) or own[0].kind == "latent":
         return slices
     return StagedWrites(staging, slices, dest, len(own) // len(dest))
 

@@ -1,0 +1,156 @@
+"""DeepSeek-V2 / V3 through the engine (MLA over a latent cache, layers/mla.py; DeepSeek's MoE
+layers) against transformers on tiny random models it saved: prompt log-probs (the expanded
+prefill) and greedy tokens (the absorbed decode) at TP 1 and TP 2; the absorbed decode's
+log-probs against the expanded prefill's on the same positions; the latent cache under a
+prefix-cache hit, chunked prefill and preemption; the checkpoints the loader must refuse,
+and DeepSeek-V3's multi-token-prediction layer skipped by name."""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from common.engine import LLM, SamplingParams
+from common.model.config import model_config_from_dict
+from tests.conftest import assert_no_blocks_in_use
+from tests.mla_checkpoints import COMMON, saved_deepseek  # noqa: F401  (saved_deepseek: a fixture)
+from tests.moe_checkpoints import IDS, greedy_reference
+
+FAMILIES = ["deepseek_v2", "deepseek_v3"]
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("backend", ["ref", "cpu"])
+def test_deepseek_equals_transformers(saved_deepseek, family, backend):
+    folder, theirs = saved_deepseek(family)
+    ref, want = greedy_reference(theirs)
+    with LLM(str(folder), kernel_backend=backend, num_blocks=64) as llm:
+        assert tuple(llm.engine.kv_cache.shape) == (3, 1, 64, 16, 1, 32 + 8)     # one latent plane, one head
+        assert llm.engine.layout.endswith(":latent")
+        torch.testing.assert_close(llm.prompt_logprobs_full(IDS).double(), ref, atol=1e-4, rtol=0)
+        out = llm.generate([{"prompt_token_ids": IDS}], GREEDY)[0].outputs[0]
+        assert list(out.token_ids) == want
+        assert_no_blocks_in_use(llm.engine)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_deepseek_at_tensor_parallel_2_equals_transformers(saved_deepseek, family):
+    """Query heads split, the latent (and so the cache) whole on both ranks."""
+    folder, theirs = saved_deepseek(family)
+    ref, want = greedy_reference(theirs)
+    with LLM(str(folder), kernel_backend="cpu", num_blocks=64, tensor_parallel_size=2) as llm:
+        torch.testing.assert_close(llm.prompt_logprobs_full(IDS).double(), ref, atol=1e-4, rtol=0)
+        assert list(llm.generate([{"prompt_token_ids": IDS}], GREEDY)[0].outputs[0].token_ids) == want
+        assert_no_blocks_in_use(llm.engine)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_absorbed_decode_equals_expanded_prefill(saved_deepseek, family):
+    """Each generated token's log-prob from the decode step (absorbed: attention over the
+    latent rows) equals the same position's from a prefill of prompt + output (expanded
+    through kv_b_proj into per-head K and V)."""
+    folder, _ = saved_deepseek(family)
+    with LLM(str(folder), kernel_backend="cpu", num_blocks=64) as llm:
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+        out = llm.generate([{"prompt_token_ids": IDS}], params)[0].outputs[0]
+        decoded = torch.tensor([lp[t] for t, lp in zip(out.token_ids, out.logprobs)], dtype=torch.float64)
+        full = llm.prompt_logprobs_full(IDS + list(out.token_ids)).double()
+        positions = torch.arange(len(IDS) - 1, len(IDS) - 1 + len(out.token_ids))
+        expanded = full[positions, torch.tensor(out.token_ids)]
+        torch.testing.assert_close(decoded, expanded, atol=2e-5, rtol=0)
+        assert_no_blocks_in_use(llm.engine)
+
+
+def test_latent_cache_under_prefix_hits_chunks_and_preemption(saved_deepseek):
+    """The same greedy tokens alone, with a warm prefix cache (the prefix read back from
+    latent blocks), in chunks of 32, and after preemption."""
+    folder, _ = saved_deepseek("deepseek_v3")
+    rng = random.Random(11)
+    target = [rng.randrange(3, 1000) for _ in range(150)]
+    others = [[rng.randrange(3, 1000) for _ in range(150)] for _ in range(5)]
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    with LLM(str(folder), kernel_backend="cpu", num_blocks=64, enable_prefix_caching=False) as llm:
+        alone = llm.generate([{"prompt_token_ids": target}], params)[0].outputs[0].token_ids
+    with LLM(str(folder), kernel_backend="cpu", num_blocks=64, max_num_batched_tokens=32) as llm:
+        first = llm.generate([{"prompt_token_ids": target}], params)[0]
+        second = llm.generate([{"prompt_token_ids": target}], params)[0]
+        assert first.outputs[0].token_ids == alone and second.outputs[0].token_ids == alone
+        assert second.num_cached_tokens == (150 - 1) // 16 * 16
+        assert_no_blocks_in_use(llm.engine)
+    with LLM(str(folder), kernel_backend="cpu", num_blocks=384 // 16, max_model_len=384,
+             enable_prefix_caching=False) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in [target, *others]], params)
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert outs[0].outputs[0].token_ids == alone
+        assert_no_blocks_in_use(llm.engine)
+
+
+def edited(folder, tmp_path, change_tensors=None, change_config=None):
+    out = tmp_path / "edited"
+    shutil.copytree(folder, out)
+    if change_tensors is not None:
+        tensors = load_file(out / "model.safetensors")
+        change_tensors(tensors)
+        save_file(tensors, out / "model.safetensors")
+    if change_config is not None:
+        cfg = json.loads((out / "config.json").read_text())
+        change_config(cfg)
+        (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_a_wrong_kv_lora_rank_is_refused_naming_the_tensor(saved_deepseek, tmp_path):
+    folder, _ = saved_deepseek("deepseek_v3")
+    bad = edited(folder, tmp_path, change_config=lambda c: c.update(kv_lora_rank=16))
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.0.self_attn.kv_a_layernorm.weight' has shape "
+                                         r"\(32,\), expected \(16,\) from config.json"):
+        LLM(str(bad), kernel_backend="cpu", num_blocks=16)
+
+
+def test_the_multi_token_prediction_layer_is_skipped_by_name(saved_deepseek, tmp_path, caplog):
+    """DeepSeek-V3's checkpoints carry model.layers.{num_hidden_layers}.*: not run, said in
+    the log; a tensor of no layer at all is still refused."""
+    folder, theirs = saved_deepseek("deepseek_v3")
+    _, want = greedy_reference(theirs)
+
+    def add_mtp(tensors):
+        for name in [n for n in tensors if n.startswith("model.layers.2.")]:
+            tensors[name.replace("model.layers.2.", "model.layers.3.")] = tensors[name].clone()
+        tensors["model.layers.3.eh_proj.weight"] = torch.zeros(128, 256)
+
+    with_mtp = edited(folder, tmp_path, change_tensors=add_mtp)
+    with caplog.at_level(logging.INFO, logger="common.model.loading"):
+        with LLM(str(with_mtp), kernel_backend="cpu", num_blocks=64) as llm:
+            assert list(llm.generate([{"prompt_token_ids": IDS}], GREEDY)[0].outputs[0].token_ids) == want
+    assert "under model.layers.3.*: DeepSeek-V3's multi-token-prediction layer" in caplog.text
+    stray = edited(folder, tmp_path / "stray", change_tensors=lambda t: t.update(
+        {"model.layers.0.self_attn.rotary.weight": torch.zeros(4)}))
+    with pytest.raises(ValueError, match="unexpected tensor 'model.layers.0.self_attn.rotary.weight'"):
+        LLM(str(stray), kernel_backend="cpu", num_blocks=16)
+
+
+def test_deepseek_config_fields():
+    raw = dict(COMMON, architectures=["DeepseekV3ForCausalLM"], num_hidden_layers=5, num_key_value_heads=128,
+               q_lora_rank=48, n_group=4, topk_group=2, first_k_dense_replace=2,
+               rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
+                             "mscale": 1.0, "mscale_all_dim": 1.0}, rope_theta=10000.0)
+    cfg = model_config_from_dict(raw)
+    assert cfg.uses_mla and cfg.kv_planes == 1 and (cfg.num_kv_heads, cfg.head_dim, cfg.rope_dim) == (1, 40, 8)
+    assert cfg.moe_layers == (2, 3, 4) and cfg.moe_routing == "deepseek_v3" and cfg.n_shared_experts == 1
+    assert cfg.rope_interleave and cfg.norm_topk_prob and cfg.routed_scaling_factor == 2.5
+    assert cfg.rope_scaling["rope_type"] == "yarn"
+    v2 = model_config_from_dict(dict(raw, architectures=["DeepseekV2ForCausalLM"], q_lora_rank=None,
+                                     topk_method="group_limited_greedy", first_k_dense_replace=0))
+    assert (v2.q_lora_rank, v2.moe_routing, v2.topk_method, v2.moe_layers) == (0, "deepseek_v2",
+                                                                               "group_limited_greedy", (0, 1, 2, 3, 4))
+    assert not v2.norm_topk_prob and v2.routed_scaling_factor == 1.0
+    with pytest.raises(ValueError, match="qk_rope_head_dim must be even, got 7"):
+        model_config_from_dict(dict(raw, qk_rope_head_dim=7))
+    with pytest.raises(ValueError, match="needs n_routed_experts and num_experts_per_tok"):
+        model_config_from_dict(dict(raw, n_routed_experts=None))
