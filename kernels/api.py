@@ -110,6 +110,16 @@ class Backend(ABC):
         valid = slot_mapping >= 0
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping[valid], latent[valid].to(cache.dtype))
 
+    def mla_decode(self, query: torch.Tensor, cache: torch.Tensor, meta: DecodeMetadata, scale: float,
+                   kv_lora_rank: int) -> torch.Tensor:
+        """MLA's absorbed decode (common/model/layers/mla.py): query [num_seqs, num_heads,
+        kv_lora_rank + rope] (q_nope through W_UK, then q_pe) over the latent cache
+        [num_blocks, block_size, 1, kv_lora_rank + rope] as one KV head whose values are
+        each row's first kv_lora_rank columns (c_kv). Returns [num_seqs, num_heads,
+        kv_lora_rank] in query's dtype. Here: the paged decode with the cache as both K and
+        V (its rope columns' output dropped: rope / (kv_lora_rank + rope) more value work)."""
+        return self.decode(query, cache, cache, meta, scale)[..., :kv_lora_rank]
+
     @abstractmethod
     def prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PrefillMetadata,

@@ -146,9 +146,7 @@ class MLAAttention(nn.Module):
     def _decode(self, q_nope, q_pe, cache, batch: StepBatch, backend: Backend) -> torch.Tensor:
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)      # [n, heads, rank]
         query = torch.cat([q_latent, q_pe], dim=-1)
-        # one KV head of width rank + rope; its values are the same rows, of which the
-        # first `rank` columns (c_kv) are the latent values
-        out = backend.decode(query, cache, cache, batch.decode, self.scale)[..., :self.rank]
+        out = backend.mla_decode(query, cache, batch.decode, self.scale, self.rank)    # [n, heads, rank]
         return torch.bmm(out.transpose(0, 1), self.w_uv).transpose(0, 1)            # [n, heads, v_dim]
 
     def _prefill(self, q_nope, q_pe, latent, cache, meta: PrefillMetadata, backend: Backend) -> torch.Tensor:
