@@ -1,4 +1,5 @@
-"""Tiny random Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoints in Hugging Face folder format.
+"""Tiny random Llama / Qwen2 / Qwen3 / Qwen3-MoE / DeepSeek-V3 checkpoints in Hugging Face
+folder format (DeepSeek's MLA and MoE tensors: tiny_deepseek.py).
 
 `make_tiny_model(arch, out_dir, seed)` writes, deterministically (same arguments -> the
 same bytes in every file):
@@ -27,6 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from common.model.tiny_deepseek import deepseek_fields, mla_tensors, moe_tensors
 from common.model.tiny_tokenizer import tokenizer_config, train_tiny_tokenizer
 
 ARCHS = {
@@ -34,7 +36,9 @@ ARCHS = {
     "qwen2": ("Qwen2ForCausalLM", "qwen"),
     "qwen3": ("Qwen3ForCausalLM", "qwen"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen"),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "llama"),
 }
+MOE_ARCHS = ("qwen3_moe", "deepseek_v3")
 MOE_DEFAULTS = {"num_experts": 8, "num_experts_per_tok": 2}     # qwen3_moe: every layer sparse
 # Standard deviations: linear layers use gain / sqrt(fan_in); embeddings and lm_head are
 # scaled so that a unit-RMS hidden state gives logits with std ~= "logit_std".
@@ -79,7 +83,9 @@ def make_tiny_model(
     head_dim to hidden_size // num_heads (qwen2 allows no other value);
     tie_word_embeddings to True for qwen2 and False otherwise. qwen3_moe: every layer
     sparse, num_experts (8) experts of intermediate_size // 4 (rounded up to 16), top
-    num_experts_per_tok (2), renormalised; per-expert tensor names. With max_shard_bytes the
+    num_experts_per_tok (2), renormalised; per-expert tensor names. deepseek_v3: MLA
+    attention (num_kv_heads unused), layer 0 dense, the others MoE as qwen3_moe's plus a
+    shared expert and DeepSeek-V3's router (tiny_deepseek.py). With max_shard_bytes the
     weights are split by `shard_safetensors`. Existing files of the same names are
     overwritten; other files in out_dir are left alone.
     """
@@ -107,21 +113,27 @@ def make_tiny_model(
         tie_word_embeddings=tie_word_embeddings, rope_theta=rope_theta, rope_scaling=rope_scaling,
         bos_token_id=bos_id if bos_id is not None else eos_id, eos_token_id=eos_id,
     )
-    if arch == "qwen3_moe":
+    if arch in MOE_ARCHS:
         experts = num_experts or MOE_DEFAULTS["num_experts"]
         top_k = num_experts_per_tok or MOE_DEFAULTS["num_experts_per_tok"]
         if not 1 <= top_k <= experts:
             raise ValueError(f"num_experts_per_tok must be in [1, num_experts={experts}], got {top_k}")
-        config.update(num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True, decoder_sparse_step=1,
-                      mlp_only_layers=[], moe_intermediate_size=-(-intermediate_size // 64) * 16)
+        if arch == "deepseek_v3":
+            if experts % 4 or experts < 8:
+                raise ValueError(f"num_experts must be a multiple of 4 (the router's 4 groups), >= 8, got {experts}")
+            config.update(deepseek_fields(hidden_size, intermediate_size, experts, top_k),
+                          num_key_value_heads=num_heads)      # as released: MLA has no KV heads of its own
+        else:
+            config.update(num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[], moe_intermediate_size=-(-intermediate_size // 64) * 16)
     elif num_experts or num_experts_per_tok:
-        raise ValueError(f"num_experts and num_experts_per_tok are for arch qwen3_moe, not {arch!r}")
+        raise ValueError(f"num_experts and num_experts_per_tok are for archs {', '.join(MOE_ARCHS)}, not {arch!r}")
     special_ids = sorted(tiny.tokenizer.get_added_tokens_decoder())
     tensors = _random_weights(arch, config, seed, special_ids)
     for stale in [out / "model.safetensors.index.json", *out.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    if arch == "llama":
+    if ARCHS[arch][1] == "llama":
         gen_eos: int | list[int] = eos_id
     else:  # like Qwen instruct checkpoints: <|im_end|> and <|endoftext|> both stop
         gen_eos = [tiny.token_id("<|im_end|>"), eos_id]
@@ -147,7 +159,7 @@ def _hf_config(arch: str, **kw) -> dict:
         "head_dim": kw["head_dim"],
         "hidden_act": "silu",
         "max_position_embeddings": kw["max_position_embeddings"],
-        "rms_norm_eps": 1e-5 if arch == "llama" else 1e-6,
+        "rms_norm_eps": 1e-5 if ARCHS[arch][1] == "llama" else 1e-6,
         "rope_theta": kw["rope_theta"],
         "rope_scaling": kw["rope_scaling"],
         "vocab_size": kw["vocab_size"],
@@ -161,7 +173,7 @@ def _hf_config(arch: str, **kw) -> dict:
         "torch_dtype": "float32",
         "dtype": "float32",
     }
-    if arch == "llama":
+    if ARCHS[arch][1] == "llama":
         config.update(mlp_bias=False, pretraining_tp=1)
     else:  # like released Qwen2.5 / Qwen3 configs: a window size that is switched off
         config.update(
@@ -194,6 +206,14 @@ def _random_weights(arch: str, config: dict, seed: int, special_ids: list[int]) 
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         t[p + "input_layernorm.weight"] = norm(hidden)
+        if arch == "deepseek_v3":
+            t.update(mla_tensors(p, config, linear, norm, _INIT))
+            t[p + "post_attention_layernorm.weight"] = norm(hidden)
+            if i >= config["first_k_dense_replace"]:
+                t.update(moe_tensors(p, config, linear, normal, _INIT))
+                continue
+            t.update(_dense_mlp(p, hidden, inter, linear))
+            continue
         t[p + "self_attn.q_proj.weight"] = linear(num_heads * head_dim, hidden, _INIT["qk_gain"])
         t[p + "self_attn.k_proj.weight"] = linear(num_kv_heads * head_dim, hidden, _INIT["qk_gain"])
         t[p + "self_attn.v_proj.weight"] = linear(num_kv_heads * head_dim, hidden, _INIT["v_gain"])
@@ -209,9 +229,7 @@ def _random_weights(arch: str, config: dict, seed: int, special_ids: list[int]) 
         if arch == "qwen3_moe":
             t.update(_random_experts(p + "mlp.", config, linear))
             continue
-        t[p + "mlp.gate_proj.weight"] = linear(inter, hidden, _INIT["mlp_gain"])
-        t[p + "mlp.up_proj.weight"] = linear(inter, hidden, _INIT["mlp_gain"])
-        t[p + "mlp.down_proj.weight"] = linear(hidden, inter, _INIT["out_gain"])
+        t.update(_dense_mlp(p, hidden, inter, linear))
     t["model.norm.weight"] = norm(hidden)
     if config["tie_word_embeddings"]:  # logits = h @ E.T: rescale E to give logit_std
         t["model.embed_tokens.weight"] *= _INIT["logit_std"] / (_INIT["embed_std"] * math.sqrt(hidden))
@@ -222,6 +240,12 @@ def _random_weights(arch: str, config: dict, seed: int, special_ids: list[int]) 
     # RMSNorm sees) so greedy decoding practically never emits eos.
     out_proj[special_ids] *= _INIT["special_logit_scale"]
     return t
+
+
+def _dense_mlp(prefix: str, hidden: int, inter: int, linear) -> dict[str, torch.Tensor]:
+    return {prefix + "mlp.gate_proj.weight": linear(inter, hidden, _INIT["mlp_gain"]),
+            prefix + "mlp.up_proj.weight": linear(inter, hidden, _INIT["mlp_gain"]),
+            prefix + "mlp.down_proj.weight": linear(hidden, inter, _INIT["out_gain"])}
 
 
 def _random_experts(prefix: str, config: dict, linear) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="write a tiny random Llama/Qwen2/Qwen3/Qwen3-MoE model folder (HF format)",
         description="Write a deterministic tiny random model: config.json, model.safetensors, tokenizer files.",
     )
-    p.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3", "qwen3_moe"])
+    p.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"])
     p.add_argument("--out", required=True, help="output folder (created)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden-size", type=int, default=256)
@@ -26,8 +26,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     tie = p.add_mutually_exclusive_group()
     tie.add_argument("--tie-word-embeddings", dest="tie_word_embeddings", action="store_true", default=None)
     tie.add_argument("--no-tie-word-embeddings", dest="tie_word_embeddings", action="store_false")
-    p.add_argument("--num-experts", type=int, default=None, help="qwen3_moe: experts per layer (default 8)")
-    p.add_argument("--num-experts-per-tok", type=int, default=None, help="qwen3_moe: experts a token goes to (default 2)")
+    p.add_argument("--num-experts", type=int, default=None, help="qwen3_moe, deepseek_v3: experts per layer (default 8)")
+    p.add_argument("--num-experts-per-tok", type=int, default=None, help="qwen3_moe, deepseek_v3: experts a token goes to (default 2)")
     p.add_argument("--max-shard-bytes", type=int, default=None, help="split weights into HF shards of this size")
     p.add_argument("--if-missing", action="store_true", help="do nothing when OUT/config.json exists")
     return p

@@ -210,3 +210,28 @@ def test_cli_rejects_unknown_arch(tmp_path):
         main(["make-tiny-model", "--arch", "gpt2", "--out", str(tmp_path)])
     assert e.value.code == 2
     assert main(["make-tiny-model", "--arch", "qwen2", "--out", str(tmp_path), "--head-dim", "7"]) == 2
+
+
+def test_deepseek_v3_is_read_whole_by_transformers_and_the_engine_agrees(tmp_path):
+    """--arch deepseek_v3: MLA, a dense layer 0, MoE layers with a shared expert and the
+    grouped sigmoid router; every tensor taken by transformers, greedy tokens equal."""
+    from common.engine import LLM, SamplingParams
+
+    d = make_tiny_model("deepseek_v3", tmp_path, hidden_size=128, num_layers=3, num_heads=4)
+    cfg = json.loads((d / "config.json").read_text())
+    assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["n_routed_experts"], cfg["first_k_dense_replace"]) == \
+        (32, 8, 8, 1)
+    tensors = _tensors(d)
+    assert tensors["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].shape == (32 + 8, 128)
+    assert "model.layers.0.mlp.gate_proj.weight" in tensors and "model.layers.1.mlp.shared_experts.up_proj.weight" in tensors
+    model, info = _load_hf(d)
+    assert {k: len(v) for k, v in info.items()} == {
+        "missing_keys": 0, "unexpected_keys": 0, "mismatched_keys": 0, "error_msgs": 0}
+    ids = [1, 17, 400, 9, 23, 610, 5, 77]
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+    with LLM(str(d), kernel_backend="cpu", num_blocks=32) as llm:
+        out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        assert list(out[0].outputs[0].token_ids) == want
+    with pytest.raises(ValueError, match="num_experts must be a multiple of 4"):
+        make_tiny_model("deepseek_v3", tmp_path / "bad", num_experts=6, **SMALL)
