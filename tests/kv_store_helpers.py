@@ -17,13 +17,15 @@ BLOCK_SIZE = 4
 
 
 class ClientCache:
-    """A node's KV cache [L, 2, num_blocks, BLOCK_SIZE, heads, head_dim], random contents,
-    registered with its own fake transfer engine."""
+    """A node's KV cache [L, 2, num_blocks, BLOCK_SIZE, heads, head_dim] (latent: MLA's
+    [L, 1, num_blocks, BLOCK_SIZE, 1, head_dim]), random contents, registered with its own
+    fake transfer engine."""
 
     def __init__(self, num_blocks: int = 16, num_layers: int = 2, heads: int = 2, head_dim: int = 8,
-                 dtype=torch.float32, block_size: int = BLOCK_SIZE, seed: int = 0):
+                 dtype=torch.float32, block_size: int = BLOCK_SIZE, seed: int = 0, latent: bool = False):
         gen = torch.Generator().manual_seed(seed)
-        self.kv = torch.randn(num_layers, 2, num_blocks, block_size, heads, head_dim,
+        planes, heads = (1, 1) if latent else (2, heads)
+        self.kv = torch.randn(num_layers, planes, num_blocks, block_size, heads, head_dim,
                               generator=gen).to(dtype)
         self.transfer = FakeTransfer()
         self.transfer.register(self.kv.data_ptr(), self.kv.numel() * self.kv.element_size())
@@ -43,7 +45,7 @@ def chain(tokens: list[int], model_id: str, layout: KVLayout) -> list[bytes]:
 
 def new_store(num_slots: int, cache: ClientCache, redis=None, clock=time.monotonic,
               timeouts: TimeoutConfig = TimeoutConfig(), transfer=None, **cfg) -> KVStore:
-    per_slot = cache.layout.num_layers * 2 * cache.layout.block_bytes
+    per_slot = cache.layout.num_layers * cache.layout.planes * cache.layout.block_bytes
     config = KVStoreConfig(capacity_mb=num_slots * per_slot / (1 << 20), **cfg)
     return KVStore(config, transfer or FakeTransfer(), redis, clock, timeouts)
 

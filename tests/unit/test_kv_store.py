@@ -38,6 +38,31 @@ def test_put_then_pin_gets_the_same_bytes(cache):
     assert s["bytes_in"] == s["bytes_out"] == 4 * space.memory.bytes_per_slot
 
 
+def test_latent_blocks_round_trip_one_copy_for_every_rank():
+    """An MLA model's latent blocks (one plane, one head): put once, read back whole into
+    another node's latent cache; a TP node's ranks share this one space (the same head
+    offset 0: services/kv_store/rank_clients.py puts once), and a K/V layout of the same
+    sizes never reads them."""
+    writer, reader = ClientCache(latent=True, head_dim=24), ClientCache(latent=True, head_dim=24, seed=1)
+    as_kv = ClientCache(heads=1, head_dim=24)
+    try:
+        store = new_store(8, writer)
+        slots = put_blocks(store, writer, "m", TOKENS, [5, 6, 7, 2])
+        space = next(iter(store.spaces.values()))
+        assert space.key.endswith(":latent") and space.memory.pool.shape[:2] == (2, 1)
+        assert space.memory.bytes_per_slot == 2 * BLOCK_SIZE * 24 * 4
+        hashes = chain(TOKENS, "m", reader.layout)
+        pin_id, got, _, _ = asyncio.run(store.pin_get("m", reader.layout, hashes, TOKENS))
+        assert got == slots
+        reader.sender.fetch_blocks(store.transfer.endpoint, space.memory.layout, got, [0, 1, 2, 3])
+        assert store.release(pin_id)
+        assert torch.equal(reader.kv[:, :, :4], writer.kv[:, :, [5, 6, 7, 2]])
+        assert asyncio.run(store.lookup("m", as_kv.layout, chain(TOKENS, "m", as_kv.layout))) == (0, 0)
+    finally:
+        for c in (writer, reader, as_kv):
+            c.close()
+
+
 def test_a_second_put_writes_only_missing_blocks(cache):
     store = new_store(8, cache)
     put_blocks(store, cache, "m", TOKENS[:2 * BLOCK_SIZE], [0, 1])
