@@ -115,7 +115,9 @@ class EngineNode:
                                                layout=self.layout.to_proto())]
             self.kv_ranks += [common_pb2.KVRank.FromString(raw) for raw in (tp.kv_ranks if tp is not None else ())]
             self.rank_layouts = [KVLayout.from_proto(r.layout) for r in self.kv_ranks]
-            self.staging = self._staging() if tp is not None and node.role == "prefill" else None
+            # a latent (MLA) cache is whole on every rank: its pushes never stage (kv_destination.py)
+            staged = tp is not None and node.role == "prefill" and self.layout.kind == "kv"
+            self.staging = self._staging() if staged else None
         except BaseException:   # no step thread or rank left behind by a node that did not start
             self.llm_engine.close(graceful=self.engine.shutdown())
             raise

@@ -39,12 +39,15 @@ def test_deepseek_equals_transformers(saved_deepseek, family, backend):
         assert_no_blocks_in_use(llm.engine)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_deepseek_at_tensor_parallel_2_equals_transformers(saved_deepseek, family):
-    """Query heads split, the latent (and so the cache) whole on both ranks."""
+@pytest.mark.parametrize("family,expert_parallel", [("deepseek_v2", False), ("deepseek_v3", False),
+                                                     ("deepseek_v3", True)])
+def test_deepseek_at_tensor_parallel_2_equals_transformers(saved_deepseek, family, expert_parallel):
+    """Query heads split, the latent (and so the cache) whole on both ranks; the experts
+    split by columns, or placed whole (4 a rank) with expert parallelism."""
     folder, theirs = saved_deepseek(family)
     ref, want = greedy_reference(theirs)
-    with LLM(str(folder), kernel_backend="cpu", num_blocks=64, tensor_parallel_size=2) as llm:
+    with LLM(str(folder), kernel_backend="cpu", num_blocks=64, tensor_parallel_size=2,
+             enable_expert_parallel=expert_parallel) as llm:
         torch.testing.assert_close(llm.prompt_logprobs_full(IDS).double(), ref, atol=1e-4, rtol=0)
         assert list(llm.generate([{"prompt_token_ids": IDS}], GREEDY)[0].outputs[0].token_ids) == want
         assert_no_blocks_in_use(llm.engine)

@@ -82,6 +82,9 @@ class LlamaForCausalLM(nn.Module):
         self.cfg, self.backend, self.dtype = cfg, backend, dtype
         self.shard = sh = shard or whole_model(cfg)
         self.quant = quant = quant or FloatConfig()
+        if cfg.uses_mla and quant.kv_cache_int8:
+            raise ValueError("kv_cache_type C8 (an int8 KV cache) is not supported for MLA models: their cache holds "
+                             "the latent, not per-head K and V; use a checkpoint without it")
         self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, sh, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, sh, quant, i, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
