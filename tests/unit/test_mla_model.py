@@ -157,3 +157,14 @@ def test_deepseek_config_fields():
         model_config_from_dict(dict(raw, qk_rope_head_dim=7))
     with pytest.raises(ValueError, match="needs n_routed_experts and num_experts_per_tok"):
         model_config_from_dict(dict(raw, n_routed_experts=None))
+
+
+def test_an_int8_kv_cache_is_refused_for_mla(saved_deepseek, tmp_path):
+    """msModelSlim's C8 quantizes per-head K and V; an MLA cache holds the latent: never
+    served as codes nobody scales."""
+    folder, _ = saved_deepseek("deepseek_v2")
+    bad = edited(folder, tmp_path)
+    (bad / "quant_model_description.json").write_text(json.dumps({"model_quant_type": "FLOAT",
+                                                                  "kv_cache_type": "C8"}))
+    with pytest.raises(ValueError, match="kv_cache_type C8 .* is not supported for MLA models"):
+        LLM(str(bad), kernel_backend="cpu", num_blocks=16)
