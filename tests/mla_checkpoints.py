@@ -36,16 +36,17 @@ def deepseek_v3():
 FAMILIES = {"deepseek_v2": deepseek_v2, "deepseek_v3": deepseek_v3}
 
 
-def save(family: str, out: Path, tokenizer_dir: Path):
+def save(family: str, out: Path, tokenizer_dir: Path, layout: str = "per-expert"):
     """Build `family` (seed 7; V3's router bias random too, as a trained one is), save it
-    per expert with the tokenizer of tokenizer_dir; returns the transformers model (eval)."""
+    with the tokenizer of tokenizer_dir, its experts per expert or in transformers 5's fused
+    tensors (layout "fused"); returns the transformers model (eval)."""
     torch.manual_seed(7)
     model = FAMILIES[family]().eval()
     with torch.no_grad():
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn(buf.shape) * 0.1)
-    model.save_pretrained(out, save_original_format=True)
+    model.save_pretrained(out, save_original_format=layout == "per-expert")
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / f, out / f)
     return model
@@ -53,13 +54,13 @@ def save(family: str, out: Path, tokenizer_dir: Path):
 
 @pytest.fixture(scope="module")
 def saved_deepseek(tmp_path_factory, tiny_model):
-    """saved_deepseek(family) -> (folder, transformers model)."""
+    """saved_deepseek(family, layout="per-expert") -> (folder, transformers model)."""
     made = {}
 
-    def get(family: str):
-        if family not in made:
-            out = tmp_path_factory.mktemp(family)
-            made[family] = (out, save(family, out, tiny_model("llama")))
-        return made[family]
+    def get(family: str, layout: str = "per-expert"):
+        if (family, layout) not in made:
+            out = tmp_path_factory.mktemp(f"{family}-{layout}")
+            made[family, layout] = (out, save(family, out, tiny_model("llama"), layout))
+        return made[family, layout]
 
     return get

@@ -26,9 +26,11 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("backend", ["ref", "cpu"])
-def test_deepseek_equals_transformers(saved_deepseek, family, backend):
-    folder, theirs = saved_deepseek(family)
+@pytest.mark.parametrize("backend,layout", [("ref", "per-expert"), ("cpu", "per-expert"), ("cpu", "fused")])
+def test_deepseek_equals_transformers(saved_deepseek, family, backend, layout):
+    folder, theirs = saved_deepseek(family, layout)
+    names = load_file(folder / "model.safetensors").keys()
+    assert any(".experts.0." in n for n in names) == (layout == "per-expert")     # the layout under test
     ref, want = greedy_reference(theirs)
     with LLM(str(folder), kernel_backend=backend, num_blocks=64) as llm:
         assert tuple(llm.engine.kv_cache.shape) == (3, 1, 64, 16, 1, 32 + 8)     # one latent plane, one head
@@ -39,15 +41,24 @@ def test_deepseek_equals_transformers(saved_deepseek, family, backend):
         assert_no_blocks_in_use(llm.engine)
 
 
-@pytest.mark.parametrize("family,expert_parallel", [("deepseek_v2", False), ("deepseek_v3", False),
-                                                     ("deepseek_v3", True)])
-def test_deepseek_at_tensor_parallel_2_equals_transformers(saved_deepseek, family, expert_parallel):
+@pytest.mark.parametrize("family,expert_parallel,layout", [
+    ("deepseek_v2", False, "per-expert"), ("deepseek_v2", True, "fused"),
+    ("deepseek_v3", False, "fused"), ("deepseek_v3", True, "per-expert")])
+def test_deepseek_at_tensor_parallel_2_equals_transformers(saved_deepseek, family, expert_parallel, layout):
     """Query heads split, the latent (and so the cache) whole on both ranks; the experts
-    split by columns, or placed whole (4 a rank) with expert parallelism."""
-    folder, theirs = saved_deepseek(family)
+    split by columns, or placed whole (4 a rank) with expert parallelism, each rank
+    holding only its experts' bytes."""
+    folder, theirs = saved_deepseek(family, layout)
     ref, want = greedy_reference(theirs)
     with LLM(str(folder), kernel_backend="cpu", num_blocks=64, tensor_parallel_size=2,
              enable_expert_parallel=expert_parallel) as llm:
+        model = llm.engine.model
+        moe = [(i, layer.mlp) for i, layer in enumerate(model.layers) if hasattr(layer.mlp, "num_local")]
+        assert [i for i, _ in moe] == [1, 2]                                   # first_k_dense_replace 1
+        for i, m in moe:                                                       # rank 0's part
+            assert (m.num_local, m.inter) == ((4, 32) if expert_parallel else (8, 16))
+            assert model.dense_bytes[f"layers.{i}.mlp.w13"] == m.num_local * 2 * m.inter * 128 * 4
+        assert model.layers[0].self_attn.num_heads == 4                        # 8 query heads split
         torch.testing.assert_close(llm.prompt_logprobs_full(IDS).double(), ref, atol=1e-4, rtol=0)
         assert list(llm.generate([{"prompt_token_ids": IDS}], GREEDY)[0].outputs[0].token_ids) == want
         assert_no_blocks_in_use(llm.engine)
