@@ -14,6 +14,7 @@ from common.model.config import load_model_config
 from common.model.layers.float_linear import FloatLinearMethod
 from common.model.layers.linear import Linear, LinearMethod, LinearPart, WeightSpec
 from common.model.layers.quant_config import FloatConfig, QuantizationConfig
+from common.model.models.deepseek import DeepseekForCausalLM
 from common.model.models.llama import LlamaForCausalLM
 from common.model.registry import ARCHITECTURES, build_model, model_class
 from common.model.tiny import make_tiny_model
@@ -27,9 +28,11 @@ def test_every_architecture_resolves_to_its_family():
     assert {arch: model_class(arch) for arch in ARCHITECTURES} == {
         "LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
         "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": LlamaForCausalLM,
-        "Qwen3MoeForCausalLM": LlamaForCausalLM, "MixtralForCausalLM": LlamaForCausalLM}
+        "Qwen3MoeForCausalLM": LlamaForCausalLM, "MixtralForCausalLM": LlamaForCausalLM,
+        "DeepseekV2ForCausalLM": DeepseekForCausalLM, "DeepseekV3ForCausalLM": DeepseekForCausalLM}
     with pytest.raises(ValueError, match=r"architecture 'GPT2LMHeadModel' is not supported; allowed: "
-                                         r"\['LlamaForCausalLM', 'MistralForCausalLM', 'MixtralForCausalLM', "
+                                         r"\['DeepseekV2ForCausalLM', 'DeepseekV3ForCausalLM', "
+                                         r"'LlamaForCausalLM', 'MistralForCausalLM', 'MixtralForCausalLM', "
                                          r"'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM'\]"):
         model_class("GPT2LMHeadModel")
 
