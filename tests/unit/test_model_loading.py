@@ -49,7 +49,8 @@ def test_unknown_architecture_names_the_file_and_allowed_values(small_model):
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (small_model / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"config\.json: architectures=\['GPT2LMHeadModel'\] is not supported; "
-                                         r"allowed: \['LlamaForCausalLM', 'MistralForCausalLM'"):
+                                         r"allowed: \['DeepseekV2ForCausalLM', 'DeepseekV3ForCausalLM', "
+                                         r"'LlamaForCausalLM', 'MistralForCausalLM'"):
         load_model_config(small_model)
 
 
