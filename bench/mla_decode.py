@@ -10,9 +10,13 @@ query token each, from the query (after q_b_proj) to the per-head output (before
     absorbed   q_nope through W_UK, attention over the latent rows as one KV head
                (Backend.mla_decode: the C++ paged decode kernel on the cpu backend, torch's
                tiled gather on ref), the output through W_UV
-    expanded   every sequence's latent rows through kv_b_proj into per-head K and V, then
-               attention per head (what the layer's prefill does; a decode that kept no
-               per-head cache would have to do it each step)
+    expanded   every sequence's latent rows recomputed through kv_b_proj into per-head K
+               and V, then attention per head (what the layer's prefill does; a decode that
+               keeps only the latent and does not absorb must do it every step)
+    per-head   attention over a per-head K/V cache (what caching K and V instead of the
+               latent would read: 16 heads x 192 a token for K, V padded from 128 to 192 as
+               one paged decode call needs, so its V work is overstated by half), the same
+               C++ kernel
 Times alternate A/B within each round; per round the median of `steps` calls; the ratio
 per round, then its median.
 
@@ -68,6 +72,16 @@ def attention_layer(backend_name: str):
     return cfg, layer, backend
 
 
+def per_head_caches(cfg, batch: int, context: int):
+    """K and V caches of every head [blocks, BLOCK, heads, qk_head_dim] (V padded) and a
+    query of that width."""
+    g = torch.Generator().manual_seed(2)
+    blocks, width = batch * -(-context // BLOCK), cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    k = torch.randn(blocks, BLOCK, cfg.num_heads, width, generator=g)
+    v = torch.randn(blocks, BLOCK, cfg.num_heads, width, generator=g)
+    return k, v, torch.randn(batch, cfg.num_heads, width, generator=g)
+
+
 def inputs(cfg, batch: int, context: int):
     g = torch.Generator().manual_seed(1)
     blocks = -(-context // BLOCK)
@@ -101,10 +115,12 @@ def attention(batch: int, context: int, rounds: int, steps: int) -> dict:
     cfg, layer, cpu = attention_layer("cpu")
     ref = get_backend("ref", torch.device("cpu"))
     cache, q_nope, q_pe, decode, prefill = inputs(cfg, batch, context)
+    k_heads, v_heads, q_heads = per_head_caches(cfg, batch, context)
     runs = {
         "absorbed_cpu": lambda: layer._decode(q_nope, q_pe, cache, _Batch(decode), cpu),
         "absorbed_ref": lambda: layer._decode(q_nope, q_pe, cache, _Batch(decode), ref),
         "expanded": lambda: layer._prefill(q_nope, q_pe, None, cache, prefill, cpu),
+        "per_head_cache": lambda: cpu.decode(q_heads, k_heads, v_heads, decode, layer.scale),
     }
     with torch.inference_mode():
         a, r, e = (runs[k]() for k in ("absorbed_cpu", "absorbed_ref", "expanded"))
@@ -116,9 +132,11 @@ def attention(batch: int, context: int, rounds: int, steps: int) -> dict:
                 per_round[k].append(timed(runs[k], steps))
     ratio = statistics.median(a / e for a, e in zip(per_round["absorbed_cpu"], per_round["expanded"]))
     ref_ratio = statistics.median(a / r for a, r in zip(per_round["absorbed_cpu"], per_round["absorbed_ref"]))
+    head_ratio = statistics.median(a / h for a, h in zip(per_round["absorbed_cpu"], per_round["per_head_cache"]))
     return {"batch": batch, "context": context, "rounds": rounds, "steps": steps,
             "ms": {k: round(statistics.median(v) * 1e3, 3) for k, v in per_round.items()},
             "absorbed_over_expanded": round(ratio, 4), "absorbed_cpu_over_ref": round(ref_ratio, 3),
+            "absorbed_over_per_head_cache": round(head_ratio, 3),
             "max_abs_diff": agree}
 
 
@@ -157,7 +175,8 @@ def main() -> int:
     att = result["attention"]
     print(f"decode attention, batch {att['batch']}, context {att['context']} (DeepSeek-V2-Lite layer, fp32): "
           f"absorbed {att['ms']['absorbed_cpu']} ms (ref backend {att['ms']['absorbed_ref']} ms), expanded "
-          f"{att['ms']['expanded']} ms -> absorbed/expanded {att['absorbed_over_expanded']}x, cpu/ref "
+          f"{att['ms']['expanded']} ms, per-head cache {att['ms']['per_head_cache']} ms -> absorbed/expanded "
+          f"{att['absorbed_over_expanded']}x, absorbed/per-head {att['absorbed_over_per_head_cache']}x, cpu/ref "
           f"{att['absorbed_cpu_over_ref']}x; outputs agree to {att['max_abs_diff']:.1e}")
     for name, b in result["kv_bytes_per_token"].items():
         print(f"KV bytes a token, {name}: latent {b['latent']}, per head {b['per_head']} "

@@ -47,6 +47,8 @@ class KVLayout:
         for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kind == "latent" and self.num_kv_heads != 1:
+            raise ValueError(f"num_kv_heads must be 1 for kind 'latent' (one latent row a token), got {self.num_kv_heads}")
         object.__setattr__(self, "strides", tuple(int(s) for s in self.strides))
         item = ITEMSIZE[self.dtype]
         want = (self.block_bytes, self.num_kv_heads * self.head_dim * item, self.head_dim * item, item)

@@ -81,6 +81,9 @@ def find_flash_attn() -> FlashAttn | None:
     return None
 
 
+FLASH_MAX_HEAD_DIM = 256      # flash-attn's (and vllm_flash_attn's) widest head
+
+
 class CudaBackend(RefBackend):
     """Paged attention with flash-attn on CUDA; ref kernels for everything else (norm,
     rotary, and attention when flash-attn is missing or the dtype is float32).
@@ -114,6 +117,19 @@ class CudaBackend(RefBackend):
             key, value, slot_mapping = key[rows], value[rows], slot_mapping[rows]
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+
+    def write_latent(self, latent, cache, slot_mapping) -> None:
+        rows = self._valid_rows(slot_mapping)
+        if rows is not None:
+            latent, slot_mapping = latent[rows], slot_mapping[rows]
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, latent.to(cache.dtype))
+
+    def mla_decode(self, query, cache, meta: DecodeMetadata, scale: float, kv_lora_rank: int) -> torch.Tensor:
+        """flash-attn takes head_dim <= 256 and a latent row is wider (DeepSeek's 576):
+        ref's tiled paged decode over it then (a FlashMLA kernel is what would be fast)."""
+        if query.shape[-1] > FLASH_MAX_HEAD_DIM:
+            return RefBackend.decode(self, query, cache, cache, meta, scale)[..., :kv_lora_rank]
+        return super().mla_decode(query, cache, meta, scale, kv_lora_rank)
 
     def _use_flash(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         if self.flash is None or query.dtype not in _HALF:

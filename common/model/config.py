@@ -58,6 +58,7 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False          # rotary pairs (x0, x1), (x2, x3), ... (DeepSeek's layout)
+    num_nextn_predict_layers: int = 0      # DeepSeek-V3's multi-token-prediction layers (not run)
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -160,21 +161,32 @@ def model_config_from_dict(raw: dict[str, Any], source: str = "config.json") -> 
 
 
 def _mla(raw: dict[str, Any], kind: str, source: str) -> dict[str, Any]:
-    """The latent-attention fields of a DeepSeek-V2/V3 config ({} otherwise); the
-    defaults are transformers' for a field the file leaves out."""
+    """The latent-attention fields of a DeepSeek-V2/V3 config ({} otherwise); a field the
+    file leaves out takes transformers' default, one it sets to null is refused by name
+    (q_lora_rank: null means one q_proj)."""
     if kind not in ("deepseek_v2", "deepseek_v3"):
         return {}
-    mla = dict(q_lora_rank=int(raw.get("q_lora_rank", 1536) or 0), kv_lora_rank=int(raw.get("kv_lora_rank", 512)),
-               qk_nope_head_dim=int(raw.get("qk_nope_head_dim", 128)),
-               qk_rope_head_dim=int(raw.get("qk_rope_head_dim", 64)), v_head_dim=int(raw.get("v_head_dim", 128)),
+    defaults = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    mla = {name: _int_field(raw, name, default, source) for name, default in defaults.items()}
+    mla.update(q_lora_rank=int(raw.get("q_lora_rank", 1536) or 0),
                # transformers' DeepSeek-V2 always turns interleaved pairs; V3 has the switch
-               rope_interleave=kind == "deepseek_v2" or bool(raw.get("rope_interleave", True)))
+               rope_interleave=kind == "deepseek_v2" or bool(raw.get("rope_interleave", True)),
+               # hub configs' name, then transformers 5's
+               num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 1)) or 0)
+               if kind == "deepseek_v3" else 0)
     for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
         if mla[name] < 1:
             raise ValueError(f"{source}: {name} must be >= 1, got {mla[name]}")
     if mla["qk_rope_head_dim"] % 2:
         raise ValueError(f"{source}: qk_rope_head_dim must be even, got {mla['qk_rope_head_dim']}")
     return mla
+
+
+def _int_field(raw: dict[str, Any], name: str, default: int, source: str) -> int:
+    value = raw.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{source}: {name} must be an integer, got {value!r}")
+    return value
 
 
 def _moe(raw: dict[str, Any], kind: str, num_layers: int, intermediate: int, source: str) -> dict[str, Any]:
@@ -201,6 +213,15 @@ def _moe(raw: dict[str, Any], kind: str, num_layers: int, intermediate: int, sou
                 norm_topk_prob=bool(raw.get("norm_topk_prob", False)))
 
 
+# transformers' defaults for a field a DeepSeek config leaves out (released configs set them all)
+DEEPSEEK_MOE_DEFAULTS = {
+    "deepseek_v3": dict(first_k_dense_replace=3, moe_intermediate_size=2048, n_shared_experts=1, n_group=8,
+                        topk_group=4, topk_method="noaux_tc", norm_topk_prob=True, routed_scaling_factor=2.5),
+    "deepseek_v2": dict(first_k_dense_replace=0, moe_intermediate_size=1407, n_shared_experts=2, n_group=1,
+                        topk_group=1, topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0),
+}
+
+
 def _deepseek_moe(raw: dict[str, Any], kind: str, num_layers: int, source: str) -> dict[str, Any]:
     """DeepSeek-V2/V3: layer i is sparse if i >= first_k_dense_replace and i % moe_layer_freq
     == 0 (DeepSeek's own rule; transformers' omits the frequency, 1 in every released config);
@@ -208,17 +229,19 @@ def _deepseek_moe(raw: dict[str, Any], kind: str, num_layers: int, source: str) 
     experts, top_k = raw.get("n_routed_experts"), raw.get("num_experts_per_tok")
     if not experts or not top_k:
         raise ValueError(f"{source}: a {kind} config needs n_routed_experts and num_experts_per_tok")
-    first_dense = int(raw.get("first_k_dense_replace", 3 if kind == "deepseek_v3" else 0) or 0)
-    freq = int(raw.get("moe_layer_freq", 1) or 1)
-    v3 = kind == "deepseek_v3"
+    d = DEEPSEEK_MOE_DEFAULTS[kind]
+
+    def get(name: str):
+        value = raw.get(name)
+        return d[name] if value is None else value
+
+    first_dense, freq = int(get("first_k_dense_replace")), int(raw.get("moe_layer_freq", 1) or 1)
     return dict(moe_layers=tuple(i for i in range(num_layers) if i >= first_dense and i % freq == 0),
                 num_experts=int(experts), num_experts_per_tok=int(top_k),
-                moe_intermediate_size=int(raw.get("moe_intermediate_size") or 1407),
-                norm_topk_prob=bool(raw.get("norm_topk_prob", v3)), moe_routing=kind,
-                n_group=int(raw.get("n_group") or 1), topk_group=int(raw.get("topk_group") or 1),
-                topk_method=str(raw.get("topk_method") or "greedy"),
-                routed_scaling_factor=float(raw.get("routed_scaling_factor", 2.5 if v3 else 1.0)),
-                n_shared_experts=int(raw.get("n_shared_experts") or 0))
+                moe_intermediate_size=int(get("moe_intermediate_size")), norm_topk_prob=bool(get("norm_topk_prob")),
+                moe_routing=kind, n_group=int(get("n_group")), topk_group=int(get("topk_group")),
+                topk_method=str(get("topk_method")), routed_scaling_factor=float(get("routed_scaling_factor")),
+                n_shared_experts=int(get("n_shared_experts")))
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:

@@ -34,6 +34,22 @@ def ignored_prefixes(model: Loadable) -> dict[str, str]:
     return method() if method is not None else {}
 
 
+def checkpoint_names_under(model_dir: str | Path, prefixes: tuple[str, ...]) -> set[str]:
+    """The safetensors checkpoint's tensor names under any of prefixes (from the files'
+    headers; none for a GGUF file or no prefixes)."""
+    if not prefixes:
+        return set()
+    from common.model.formats import is_gguf
+    if is_gguf(model_dir):
+        return set()
+    from safetensors import safe_open
+    names = set()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            names.update(n for n in f.keys() if n.startswith(prefixes))
+    return names
+
+
 @torch.inference_mode()
 def load_weights(model: Loadable, model_dir: str | Path, dtype: torch.dtype, what: str) -> set[str]:
     """The names of the tensors read. ValueError naming the file and the tensor on an
@@ -46,7 +62,7 @@ def load_weights(model: Loadable, model_dir: str | Path, dtype: torch.dtype, wha
     prefixes = ignored_prefixes(model)
     skipped = dict.fromkeys(prefixes, 0)
     sources = {name: slot.source for name, slot in slots.items() if slot.source is not None}
-    for name in ignored_names:
+    for name in ignored_names | checkpoint_names_under(model_dir, tuple(prefixes)):
         sources[name] = (slice(0, 0),)   # read none of it
     loaded: set[str] = set()
     for name, tensor, path, shape in iter_checkpoint(model_dir, slices=sources, with_shape=True, dtype=dtype):

@@ -121,7 +121,7 @@ def make_tiny_model(
         if arch == "deepseek_v3":
             if experts % 4 or experts < 8:
                 raise ValueError(f"num_experts must be a multiple of 4 (the router's 4 groups), >= 8, got {experts}")
-            config.update(deepseek_fields(hidden_size, intermediate_size, experts, top_k),
+            config.update(deepseek_fields(hidden_size, intermediate_size, experts, top_k, rope_scaling),
                           num_key_value_heads=num_heads)      # as released: MLA has no KV heads of its own
         else:
             config.update(num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True, decoder_sparse_step=1,

@@ -16,14 +16,15 @@ ROPE_SCALING = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embed
                 "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
-def deepseek_fields(hidden: int, intermediate: int, experts: int, top_k: int) -> dict:
+def deepseek_fields(hidden: int, intermediate: int, experts: int, top_k: int, rope_scaling: dict | None) -> dict:
+    """rope_scaling: the caller's, else ROPE_SCALING."""
     rope = max(4, hidden // 16 // 2 * 2)
     return dict(q_lora_rank=hidden * 3 // 8, kv_lora_rank=hidden // 4, qk_nope_head_dim=hidden // 8,
                 qk_rope_head_dim=rope, head_dim=rope, v_head_dim=hidden // 8, n_routed_experts=experts,
                 num_experts_per_tok=top_k, n_shared_experts=1, moe_intermediate_size=-(-intermediate // 64) * 16,
                 first_k_dense_replace=1, moe_layer_freq=1, n_group=4, topk_group=2, topk_method="noaux_tc",
                 norm_topk_prob=True, routed_scaling_factor=2.5, scoring_func="sigmoid", rope_interleave=True,
-                num_nextn_predict_layers=0, attention_bias=False, rope_scaling=dict(ROPE_SCALING))
+                num_nextn_predict_layers=0, attention_bias=False, rope_scaling=dict(rope_scaling or ROPE_SCALING))
 
 
 def mla_tensors(prefix: str, config: dict, linear: Callable, norm: Callable, gains: dict) -> dict[str, torch.Tensor]:

@@ -185,7 +185,7 @@ class TPExecutor:
 
     def gather_kv(self, kv_cache, block_ids: list[int]) -> list:
         """Between steps, on the thread that steps: every rank's KV of these blocks (all
-        layers, K and V: [L, 2, n, block_size, heads, head_dim] each), rank 0 first. Any
+        layers and planes: [L, planes, n, block_size, heads, head_dim] each), rank 0 first. Any
         error ends the group, as in step()."""
         self._check_usable()
         try:

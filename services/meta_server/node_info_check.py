@@ -39,6 +39,8 @@ def node_info_error(node) -> str:
             return f"{where}: dtype at most 32 characters, at most 8 strides"
         if layout.kind not in ("", *PLANES):     # "": a node from before the field (K and V)
             return f"{where}.kind must be one of {', '.join(PLANES)}"
+        if layout.kind == "latent" and layout.num_kv_heads != 1:
+            return f"{where}.num_kv_heads must be 1 for kind latent"
     if not 0 <= node.tensor_parallel_size <= MAX_TENSOR_PARALLEL:
         return f"node.tensor_parallel_size must be in [0, {MAX_TENSOR_PARALLEL}] (0 or 1: one rank)"
     if len(node.kv_ranks) not in (0, max(node.tensor_parallel_size, 1)):

@@ -158,7 +158,8 @@ def destination_writes(sender: KVSender, writers: RankWriters | None, own: Seque
 
 class StagingPool:
     """Registered staging blocks of every KV head (all layers, K and V), for pushes that
-    would otherwise write head slices. A batch takes runs of consecutive free blocks;
+    would otherwise write head slices (a K/V cache's: a latent one is whole on every rank
+    and never staged). A batch takes runs of consecutive free blocks;
     each run is its own bytes, viewed for a decode node of TP d as d caches
     [num_layers, 2, run length, block_size, heads / d, head_dim] (one write per layer and
     K/V per decode rank), so batches for decode nodes of different TP sizes never share

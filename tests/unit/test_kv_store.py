@@ -38,11 +38,11 @@ def test_put_then_pin_gets_the_same_bytes(cache):
     assert s["bytes_in"] == s["bytes_out"] == 4 * space.memory.bytes_per_slot
 
 
-def test_latent_blocks_round_trip_one_copy_for_every_rank():
+def test_latent_blocks_round_trip_through_the_store():
     """An MLA model's latent blocks (one plane, one head): put once, read back whole into
-    another node's latent cache; a TP node's ranks share this one space (the same head
-    offset 0: services/kv_store/rank_clients.py puts once), and a K/V layout of the same
-    sizes never reads them."""
+    another node's latent cache; a K/V layout of the same sizes never reads them. (A TP
+    node's ranks all use head offset 0, plan_shard's kv_head_start for one latent head, so
+    they share this one space: rank_clients.py puts once.)"""
     writer, reader = ClientCache(latent=True, head_dim=24), ClientCache(latent=True, head_dim=24, seed=1)
     as_kv = ClientCache(heads=1, head_dim=24)
     try:

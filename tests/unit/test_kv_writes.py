@@ -69,6 +69,11 @@ def test_latent_layout_has_one_plane_and_its_own_hash_key():
     with pytest.raises(ValueError, match="incompatible KV layouts.*kind 'latent' != 'kv'"):
         lay.check_compatible(as_kv)
     assert KVLayout.from_proto(lay.to_proto()) == lay
+    before_the_field = as_kv.to_proto()
+    before_the_field.kind = ""                       # a peer from before the field: K and V
+    assert KVLayout.from_proto(before_the_field) == as_kv
+    with pytest.raises(ValueError, match="num_kv_heads must be 1 for kind 'latent'"):
+        replace(lay, num_kv_heads=2, strides=(lay.strides[0], lay.strides[1], 2 * lay.block_bytes, 2 * 96, 96, 4))
     with pytest.raises(ValueError, match=r"latent, \[num_layers, 1, num_blocks, block_size, 1, width\]"):
         KVLayout.of_tensor(torch.zeros(2, 1, 8, 4, 2, 24))
 

@@ -164,6 +164,13 @@ def test_deepseek_config_fields():
     assert (v2.q_lora_rank, v2.moe_routing, v2.topk_method, v2.moe_layers) == (0, "deepseek_v2",
                                                                                "group_limited_greedy", (0, 1, 2, 3, 4))
     assert not v2.norm_topk_prob and v2.routed_scaling_factor == 1.0
+    assert cfg.num_nextn_predict_layers == 1 and v2.num_nextn_predict_layers == 0
+    bare = model_config_from_dict({k: v for k, v in raw.items() if k not in (
+        "n_group", "topk_group", "n_shared_experts", "moe_intermediate_size", "first_k_dense_replace")})
+    assert (bare.n_group, bare.topk_group, bare.n_shared_experts, bare.moe_intermediate_size, bare.moe_layers) == \
+        (8, 4, 1, 2048, (3, 4))                                   # transformers' DeepSeek-V3 defaults
+    with pytest.raises(ValueError, match="kv_lora_rank must be an integer, got None"):
+        model_config_from_dict(dict(raw, kv_lora_rank=None))
     with pytest.raises(ValueError, match="qk_rope_head_dim must be even, got 7"):
         model_config_from_dict(dict(raw, qk_rope_head_dim=7))
     with pytest.raises(ValueError, match="needs n_routed_experts and num_experts_per_tok"):

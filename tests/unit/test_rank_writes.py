@@ -149,6 +149,25 @@ def test_rank_targets_pair_each_prefill_rank_with_the_decode_rank_of_its_heads()
                            [("a", KVLayout.of_tensor(torch.zeros(2, 2, 8, 4, 4, 5)))])
 
 
+LATENT = KVLayout.of_tensor(torch.zeros(2, 1, 8, 4, 1, 6))
+
+
+@pytest.mark.parametrize("p,d,pairs", [(1, 1, [(0, 0)]), (2, 1, [(0, 0)]), (1, 2, [(0, 0), (0, 1)]),
+                                       (2, 2, [(0, 0), (1, 1)]), (2, 4, [(0, 0), (1, 1), (0, 2), (1, 3)])])
+def test_a_latent_cache_pairs_any_prefill_tp_with_any_decode_tp(p, d, pairs):
+    """MLA: every rank holds the same latent, so decode rank j gets its whole copy from
+    prefill rank j % p (never head slices, never staged)."""
+    dest = [(f"d:{j}", LATENT) for j in range(d)]
+    targets = rank_targets([LATENT] * p, dest)
+    assert [(t.src, int(t.peer[2:])) for t in targets] == pairs
+    assert all(t.head_offset is None for t in targets)
+    staging = Staging(pool=None, gather=None, sender_for=None)
+    writes = destination_writes(Sender(), RankWriters([]) if p > 1 else None, [LATENT] * p, dest, staging)
+    assert isinstance(writes, RankPairWrites) if (p, d) != (1, 1) else not isinstance(writes, StagedWrites)
+    with pytest.raises(ValueError, match="incompatible KV layouts.*kind 'latent' != 'kv'"):
+        destination_writes(Sender(), None, [LATENT, LATENT], [("a", layout(2))])
+
+
 def test_a_sharded_write_waits_for_every_rank_and_raises_once_all_ended():
     rank0 = Sender(fail=TransferError("rank 0 peer down"))
     writers, _, _ = worker(Sender())

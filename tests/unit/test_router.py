@@ -192,11 +192,21 @@ def test_conditional_disaggregation_fields_are_integers_of_at_least_zero(field, 
         MetaConfig(**{field: value})
 
 
-def tp_member(node_id: str, role: str, tp: int, heads_per_rank: int) -> Member:
+def tp_member(node_id: str, role: str, tp: int, heads_per_rank: int, kind: str = "") -> Member:
     m = member(node_id, role)
     m.info.tensor_parallel_size = tp
     m.info.kv_layout.num_kv_heads = heads_per_rank
+    m.info.kv_layout.kind = kind
     return m
+
+
+@pytest.mark.parametrize("prefill_kind,served", [("latent", True), ("kv", False), ("", False)])
+def test_a_latent_prefill_node_of_lower_tp_pushes_into_a_latent_decode_node(prefill_kind, served):
+    """MLA nodes hold the same latent on every rank: prefill TP 1 into decode TP 2 is served
+    when both caches are latent, refused as for GQA when either is not."""
+    router = Router()
+    nodes = [tp_member("p0", "prefill", 1, 1, prefill_kind), tp_member("d0", "decode", 2, 1, "latent")]
+    assert ids(router.route(nodes, req(), "least_load")) == ("d0", "p0" if served else None)
 
 
 @pytest.mark.parametrize("p,heads_p,d,heads_d,served", [

@@ -81,6 +81,9 @@ class MLAAttention(nn.Module):
         self.kv_a_norm = RMSNorm(self.rank, cfg.rms_norm_eps, dtype)
         kv_b = self.nope + self.v_dim
         self.kv_b = linear([LinearPart("kv_b_proj", heads * kv_b, self.num_heads * kv_b, h0 * kv_b)], self.rank)
+        if self.kv_b.method.scheme != "FLOAT":     # before a byte is read
+            raise ValueError(f"{self.kv_b.projections[0]}: MLA's decode absorbs kv_b_proj into the query and "
+                             f"output, so it must be FLOAT, got {self.kv_b.method.scheme}")
         self.o = linear([LinearPart("o_proj", cfg.hidden_size, cfg.hidden_size)], heads * self.v_dim,
                         bias=cfg.o_bias, row_parallel=True, in_features=self.num_heads * self.v_dim,
                         in_start=h0 * self.v_dim)
@@ -100,10 +103,7 @@ class MLAAttention(nn.Module):
     def absorb(self) -> None:
         """After loading and moving to the device, before the linears are prepared (their
         dense weights may be packed away then): W_UK and W_UV from kv_b_proj. Its weight
-        must be float: the absorbed product of a quantized one is not what it computes."""
-        if self.kv_b.method.scheme != "FLOAT":
-            raise ValueError(f"{self.kv_b.projections[0]}: MLA's decode absorbs kv_b_proj into the query and "
-                             f"output, so it must be FLOAT, got {self.kv_b.method.scheme}")
+        is float (refused otherwise when the layer is built)."""
         w = self.kv_b.weight.detach().view(self.num_heads, self.nope + self.v_dim, self.rank)
         self.w_uk = w[:, :self.nope].contiguous()
         self.w_uv = w[:, self.nope:].transpose(1, 2).contiguous()
