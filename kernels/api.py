@@ -110,6 +110,23 @@ class Backend(ABC):
         valid = slot_mapping >= 0
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping[valid], latent[valid].to(cache.dtype))
 
+    def mla_latent(self, positions: torch.Tensor, q_pe: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor,
+                   eps: float, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """MLA's step before attention (common/model/layers/mla.py): kv_a [num_tokens,
+        kv_lora_rank + rope] is kv_a_proj_with_mqa's output, c_kv then k_pe, both rope parts
+        (k_pe and q_pe [num_tokens, num_heads, rope]) already in rotate-half order. Returns
+        (q_pe rotated, c_kv = rms_norm(kv_a[:, :kv_lora_rank], norm_weight, eps) [num_tokens,
+        kv_lora_rank], k_pe rotated [num_tokens, rope]) and writes the rows [c_kv | k_pe] into
+        the latent cache at slot_mapping as write_latent does (in place). Here: rms_norm,
+        rotary, write_latent."""
+        rank = norm_weight.shape[0]
+        c_kv = self.rms_norm(kv_a[:, :rank].contiguous(), norm_weight, eps)
+        q_pe, k_pe = self.rotary(positions, q_pe, kv_a[:, None, rank:].contiguous(), cos, sin)
+        k_pe = k_pe.reshape(kv_a.shape[0], -1)
+        self.write_latent(torch.cat([c_kv, k_pe], dim=-1).unsqueeze(1), cache, slot_mapping)
+        return q_pe, c_kv, k_pe
+
     def mla_decode(self, query: torch.Tensor, cache: torch.Tensor, meta: DecodeMetadata, scale: float,
                    kv_lora_rank: int) -> torch.Tensor:
         """MLA's absorbed decode (common/model/layers/mla.py): query [num_seqs, num_heads,

@@ -13,6 +13,9 @@ Per layer and step:
                  npu_moe_init_routing_v2 -> npu_grouped_matmul (w13) -> npu_swiglu ->
                  npu_grouped_matmul (w2) -> npu_moe_finalize_routing (routed_experts below)
     rotary    -> torch_npu.npu_rotary_mul(x, cos, sin) (rotate-half) on q and k
+    MLA       -> latent norm + rope + cache write: npu_kv_rmsnorm_rope_cache into the one
+                 latent plane through two strided views; the absorbed decode: torch's paged
+                 decode, FIA's MLA mode needing two contiguous planes (kernels/npu_mla.py)
 
 Attention call, both phases (page attention over the layer's caches):
     query [T, N, D] ("TND"), key/value = caches viewed as [num_blocks, 128, KV_N * D]
@@ -38,6 +41,8 @@ import torch
 
 from kernels.api import Backend, DecodeMetadata, PrefillMetadata
 from kernels.kv_int8 import KVCacheScales, dequantize_kv
+from kernels.npu_mla import write_latent_fused, write_refusal
+from kernels.ref import RefBackend
 
 log = logging.getLogger("pdmesh.kernels")
 BLOCK_SIZE = 128
@@ -48,6 +53,7 @@ _REQUIRED_OPS = ("npu_fused_infer_attention_score", "npu_rms_norm", "npu_rotary_
 # a MoE model's: without them (an older torch_npu) its routers and experts run the torch path
 MOE_OPS = ("npu_moe_gating_top_k_softmax", "npu_moe_gating_top_k", "npu_moe_init_routing_v2",
            "npu_grouped_matmul", "npu_swiglu", "npu_moe_finalize_routing")
+MLA_OPS = ("npu_kv_rmsnorm_rope_cache",)   # without it: MLA's latent write runs torch's ops
 
 
 def _import_torch_npu():
@@ -105,6 +111,8 @@ class NpuBackend(Backend):
         self._masks: dict[torch.device, torch.Tensor] = {}
         self._moe_missing = [op for op in MOE_OPS if not hasattr(self._npu, op)]
         self._moe_told = False
+        self._mla_missing = [op for op in MLA_OPS if not hasattr(self._npu, op)]
+        self._told: set[str] = set()     # the one-time notes of MLA's torch paths
         self._slots_cache: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         self._static_inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._antiquant_args: dict[tuple, tuple[KVCacheScales, dict]] = {}
@@ -373,14 +381,49 @@ class NpuBackend(Backend):
                                             drop_pad_mode=2)
 
     def rotary(self, positions, query, key, cos, sin):
-        """cos/sin [max_pos, D/2] -> [T, 1, D] (both halves) in query's dtype, then
-        npu_rotary_mul in rotate-half mode on the TND query and key."""
-        c = cos.index_select(0, positions)
-        s = sin.index_select(0, positions)
-        c = torch.cat((c, c), dim=-1).unsqueeze(1).to(query.dtype)
-        s = torch.cat((s, s), dim=-1).unsqueeze(1).to(query.dtype)
+        """npu_rotary_mul in rotate-half mode on the TND query and key."""
+        c, s = _cos_sin(positions, cos, sin, query.dtype)
         rotary_mul = self._npu.npu_rotary_mul
         return rotary_mul(query.contiguous(), c, s), rotary_mul(key.contiguous(), c, s)
+
+    def _say_once(self, key: str, message: str) -> None:
+        if key not in self._told:
+            self._told.add(key)
+            log.warning("npu kernel backend: %s", message)
+
+    def mla_latent(self, positions, q_pe, kv_a, norm_weight, eps: float, cos, sin, cache, slot_mapping):
+        """q_pe through npu_rotary_mul; c_kv's norm, k_pe's rope and the cache write through one
+        npu_kv_rmsnorm_rope_cache (kernels/npu_mla.py). torch's path where this torch_npu
+        lacks the op or the model lacks its sizes (said once), and for a step holding a slot
+        of -1 (the engine makes none)."""
+        rank = norm_weight.shape[0]
+        refusal = write_refusal(rank, kv_a.shape[1] - rank)
+        if self._mla_missing:
+            refusal = f"torch_npu {getattr(self._npu, '__version__', '?')} lacks {self._mla_missing}"
+        if refusal is not None:
+            self._say_once(refusal, f"{refusal}; MLA's latent norm, rope and cache write run torch's ops")
+        if refusal is not None or kv_a.shape[0] == 0 or self._valid_rows(slot_mapping) is not None:
+            return super().mla_latent(positions, q_pe, kv_a, norm_weight, eps, cos, sin, cache, slot_mapping)
+        c, s = _cos_sin(positions, cos, sin, q_pe.dtype)
+        q_pe = self._npu.npu_rotary_mul(q_pe.contiguous(), c, s)
+        c_kv, k_pe = write_latent_fused(self._npu, kv_a, norm_weight, eps, c, s, cache, slot_mapping)
+        return q_pe, c_kv, k_pe
+
+    def mla_decode(self, query, cache, meta: DecodeMetadata, scale: float, kv_lora_rank: int) -> torch.Tensor:
+        """torch's paged decode (kernels/ref.py) over the latent plane: FIA's MLA mode wants the
+        nope and rope columns as two contiguous caches, and its plain mode a head_dim <= 512
+        (DeepSeek's latent row is 576 wide), so neither takes this cache (kernels/npu_mla.py)."""
+        self._say_once("mla_decode", "MLA's absorbed decode runs torch's paged decode: FIA's MLA mode needs "
+                                     "separate contiguous nope [.., 512] and rope [.., 64] caches, the latent "
+                                     "cache is one [.., kv_lora_rank + rope] plane")
+        return RefBackend.decode(self, query, cache, cache, meta, scale)[..., :kv_lora_rank]
+
+
+def _cos_sin(positions, cos, sin, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_pos, D/2] -> the positions' [T, 1, D] (both halves) in dtype."""
+    c = cos.index_select(0, positions)
+    s = sin.index_select(0, positions)
+    return (torch.cat((c, c), dim=-1).unsqueeze(1).to(dtype), torch.cat((s, s), dim=-1).unsqueeze(1).to(dtype))
 
 
 def _dequantized_blocks(k_cache, v_cache, block_tables, kv_scales: KVCacheScales, dtype: torch.dtype):

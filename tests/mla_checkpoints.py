@@ -19,29 +19,30 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0}
 
 
-def deepseek_v2():
+def deepseek_v2(**sizes):
     import transformers
     return transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
         q_lora_rank=None, n_group=4, topk_group=2, topk_method="group_limited_greedy", routed_scaling_factor=1.5,
-        **COMMON))
+        **{**COMMON, **sizes}))
 
 
-def deepseek_v3():
+def deepseek_v3(**sizes):
     import transformers
     return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
         q_lora_rank=48, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
-        rope_parameters=dict(YARN), **COMMON))
+        rope_parameters=dict(YARN), **{**COMMON, **sizes}))
 
 
 FAMILIES = {"deepseek_v2": deepseek_v2, "deepseek_v3": deepseek_v3}
 
 
-def save(family: str, out: Path, tokenizer_dir: Path, layout: str = "per-expert"):
-    """Build `family` (seed 7; V3's router bias random too, as a trained one is), save it
-    with the tokenizer of tokenizer_dir, its experts per expert or in transformers 5's fused
-    tensors (layout "fused"); returns the transformers model (eval)."""
+def save(family: str, out: Path, tokenizer_dir: Path, layout: str = "per-expert", **sizes):
+    """Build `family` (seed 7; V3's router bias random too, as a trained one is), COMMON's
+    sizes but for `sizes` (e.g. kv_lora_rank=512), save it with the tokenizer of
+    tokenizer_dir, its experts per expert or in transformers 5's fused tensors (layout
+    "fused"); returns the transformers model (eval)."""
     torch.manual_seed(7)
-    model = FAMILIES[family]().eval()
+    model = FAMILIES[family](**sizes).eval()
     with torch.no_grad():
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
@@ -54,13 +55,14 @@ def save(family: str, out: Path, tokenizer_dir: Path, layout: str = "per-expert"
 
 @pytest.fixture(scope="module")
 def saved_deepseek(tmp_path_factory, tiny_model):
-    """saved_deepseek(family, layout="per-expert") -> (folder, transformers model)."""
+    """saved_deepseek(family, layout="per-expert", **sizes) -> (folder, transformers model)."""
     made = {}
 
-    def get(family: str, layout: str = "per-expert"):
-        if (family, layout) not in made:
+    def get(family: str, layout: str = "per-expert", **sizes):
+        key = (family, layout, tuple(sorted(sizes.items())))
+        if key not in made:
             out = tmp_path_factory.mktemp(f"{family}-{layout}")
-            made[family, layout] = (out, save(family, out, tiny_model("llama"), layout))
-        return made[family, layout]
+            made[key] = (out, save(family, out, tiny_model("llama"), layout, **sizes))
+        return made[key]
 
     return get

@@ -35,6 +35,9 @@ result with plain torch in float32. Ops and the contracts enforced:
   Mixture of Experts        npu_moe_gating_top_k(_softmax), npu_moe_init_routing(_v2),
                             npu_grouped_matmul, npu_swiglu, npu_moe_finalize_routing:
                             kernels/testing/fake_npu_moe.py.
+  Multi-head Latent Attention
+                            npu_kv_rmsnorm_rope_cache, and npu_fused_infer_attention_score
+                            with query_rope / key_rope: kernels/testing/fake_npu_mla.py.
 
 One relaxation: float32 query/key/value are accepted on CPU tensors (the engine's float32
 tests); on any other device the op's float16/bfloat16 rule applies.
@@ -203,13 +206,20 @@ def _fused_infer_attention_score(query, key, value, *, _strict_head_dim, _scale_
     args = {**dict.fromkeys(_FIA_KEYWORDS), **_FIA_DEFAULTS, **kw}
     scale = kw.get(_scale_keyword, 1.0)
     int8_kv = torch.int8 in (key.dtype, value.dtype)
+    mla = kw.get("query_rope") is not None or kw.get("key_rope") is not None
     modeled = _MODELED
-    if int8_kv:
+    if mla:
+        from kernels.testing.fake_npu_mla import MODELED as MLA
+        modeled = _MODELED | MLA
+    elif int8_kv:
         from kernels.testing.fake_npu_kv_int8 import MODELED as ANTIQUANT, antiquant_decode
         modeled = _MODELED | ANTIQUANT
     for name, val in kw.items():
         if name not in modeled and name != _scale_keyword and val not in (None, _FIA_DEFAULTS.get(name)):
             raise NotImplementedError(f"{op}: the emulator does not model {name}")
+    if mla:
+        from kernels.testing.fake_npu_mla import mla_attention
+        return mla_attention(query, key, value, args, scale, _scale_keyword)
     if int8_kv:
         _require(isinstance(scale, float), op, f"{_scale_keyword} must be a float, got {type(scale).__name__}")
         return antiquant_decode(query, key, value, args, scale)
@@ -325,12 +335,13 @@ def install(*, without: tuple[str, ...] = (), scale_keyword: str = "scale",
     mod._pdmesh_emulator = True
     mod.npu = types.SimpleNamespace(is_available=lambda: False, device_count=lambda: 0)
     from kernels.testing.fake_npu_kv_write import _npu_reshape_and_cache, npu_scatter_pa_kv_cache
+    from kernels.testing.fake_npu_mla import OPS as MLA_OPS
     from kernels.testing.fake_npu_moe import OPS as MOE_OPS
     from kernels.testing.fake_npu_quant import OPS as QUANT_OPS
     ops = {"npu_scatter_pa_kv_cache": npu_scatter_pa_kv_cache,
            "_npu_reshape_and_cache": _npu_reshape_and_cache,
            "npu_fused_infer_attention_score": _make_fia(scale_keyword, strict_head_dim),
-           "npu_rms_norm": npu_rms_norm, "npu_rotary_mul": npu_rotary_mul, **QUANT_OPS, **MOE_OPS}
+           "npu_rms_norm": npu_rms_norm, "npu_rotary_mul": npu_rotary_mul, **QUANT_OPS, **MOE_OPS, **MLA_OPS}
     unknown = set(without) - set(ops)
     if unknown:
         raise ValueError(f"without names unknown ops {sorted(unknown)}; ops: {sorted(ops)}")

@@ -5,6 +5,7 @@
     x -> kv_a_proj_with_mqa -> (c_kv [kv_lora_rank] -> kv_a_layernorm, k_pe [qk_rope_head_dim])
       -> rotary on q_pe and k_pe (DeepSeek's interleaved pairs first de-interleaved)
       -> write the latent [c_kv | k_pe] (one row, no heads) into the cache at the step's slots
+         (norm, rotary and write: Backend.mla_latent, one fused op on the NPU)
       -> decode tokens: absorbed. q_nope through W_UK into the latent space, attention of
          [q_nope W_UK | q_pe] over the latent rows as one KV head (values: the rows' c_kv),
          then W_UV out of it: the paged decode kernel, never a per-head K/V
@@ -121,18 +122,18 @@ class MLAAttention(nn.Module):
             kv_a, q = down, self.q_up(x, backend)
         q = q.view(n, h, self.nope + self.rope)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        c_kv, k_pe = kv_a.split([self.rank, self.rope], dim=-1)
-        c_kv = self.kv_a_norm(c_kv.contiguous(), backend)
-        q_pe, k_pe = self._deinterleave(q_pe), self._deinterleave(k_pe.reshape(n, 1, self.rope))
-        q_pe, k_pe = backend.rotary(batch.positions, q_pe, k_pe, cos, sin)
-        latent = torch.cat([c_kv, k_pe.reshape(n, self.rope)], dim=-1).view(n, 1, -1)
-        backend.write_latent(latent, cache, batch.slot_mapping)
+        if self.interleaved:
+            c_kv, k_pe = kv_a.split([self.rank, self.rope], dim=-1)
+            kv_a = torch.cat([c_kv, self._deinterleave(k_pe)], dim=-1)
+        q_pe, c_kv, k_pe = backend.mla_latent(batch.positions, self._deinterleave(q_pe), kv_a, self.kv_a_norm.weight,
+                                              self.kv_a_norm.eps, cos, sin, cache, batch.slot_mapping)
         nd = batch.num_decode_tokens
         parts = []
         if batch.decode is not None:
             parts.append(self._decode(q_nope[:nd], q_pe[:nd], cache, batch, backend))
         if batch.prefill is not None:
-            parts.append(self._prefill(q_nope[nd:], q_pe[nd:], latent[nd:, 0], cache, batch.prefill, backend))
+            latent = torch.cat([c_kv[nd:], k_pe[nd:]], dim=-1)
+            parts.append(self._prefill(q_nope[nd:], q_pe[nd:], latent, cache, batch.prefill, backend))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o(out.reshape(n, h * self.v_dim), backend)
 
