@@ -41,8 +41,7 @@ import torch
 
 from kernels.api import Backend, DecodeMetadata, PrefillMetadata
 from kernels.kv_int8 import KVCacheScales, dequantize_kv
-from kernels.npu_mla import write_latent_fused, write_refusal
-from kernels.ref import RefBackend
+from kernels.npu_mla import NpuMLA, cos_sin
 
 log = logging.getLogger("pdmesh.kernels")
 BLOCK_SIZE = 128
@@ -95,7 +94,7 @@ def scale_keyword(op) -> str:
     return "scale_value" if "scale_value" in names and "scale" not in names else "scale"
 
 
-class NpuBackend(Backend):
+class NpuBackend(NpuMLA, Backend):
     """Paged attention with torch_npu. Caches must be [num_blocks, 128, KV_N, D] and
     contiguous per layer; query/key/value float16 or bfloat16 on a real NPU. Safe to share
     across layers, engines and threads: its only state is per-device masks and the last
@@ -382,48 +381,9 @@ class NpuBackend(Backend):
 
     def rotary(self, positions, query, key, cos, sin):
         """npu_rotary_mul in rotate-half mode on the TND query and key."""
-        c, s = _cos_sin(positions, cos, sin, query.dtype)
+        c, s = cos_sin(positions, cos, sin, query.dtype)
         rotary_mul = self._npu.npu_rotary_mul
         return rotary_mul(query.contiguous(), c, s), rotary_mul(key.contiguous(), c, s)
-
-    def _say_once(self, key: str, message: str) -> None:
-        if key not in self._told:
-            self._told.add(key)
-            log.warning("npu kernel backend: %s", message)
-
-    def mla_latent(self, positions, q_pe, kv_a, norm_weight, eps: float, cos, sin, cache, slot_mapping):
-        """q_pe through npu_rotary_mul; c_kv's norm, k_pe's rope and the cache write through one
-        npu_kv_rmsnorm_rope_cache (kernels/npu_mla.py). torch's path where this torch_npu
-        lacks the op or the model lacks its sizes (said once), and for a step holding a slot
-        of -1 (the engine makes none)."""
-        rank = norm_weight.shape[0]
-        refusal = write_refusal(rank, kv_a.shape[1] - rank)
-        if self._mla_missing:
-            refusal = f"torch_npu {getattr(self._npu, '__version__', '?')} lacks {self._mla_missing}"
-        if refusal is not None:
-            self._say_once(refusal, f"{refusal}; MLA's latent norm, rope and cache write run torch's ops")
-        if refusal is not None or kv_a.shape[0] == 0 or self._valid_rows(slot_mapping) is not None:
-            return super().mla_latent(positions, q_pe, kv_a, norm_weight, eps, cos, sin, cache, slot_mapping)
-        c, s = _cos_sin(positions, cos, sin, q_pe.dtype)
-        q_pe = self._npu.npu_rotary_mul(q_pe.contiguous(), c, s)
-        c_kv, k_pe = write_latent_fused(self._npu, kv_a, norm_weight, eps, c, s, cache, slot_mapping)
-        return q_pe, c_kv, k_pe
-
-    def mla_decode(self, query, cache, meta: DecodeMetadata, scale: float, kv_lora_rank: int) -> torch.Tensor:
-        """torch's paged decode (kernels/ref.py) over the latent plane: FIA's MLA mode wants the
-        nope and rope columns as two contiguous caches, and its plain mode a head_dim <= 512
-        (DeepSeek's latent row is 576 wide), so neither takes this cache (kernels/npu_mla.py)."""
-        self._say_once("mla_decode", "MLA's absorbed decode runs torch's paged decode: FIA's MLA mode needs "
-                                     "separate contiguous nope [.., 512] and rope [.., 64] caches, the latent "
-                                     "cache is one [.., kv_lora_rank + rope] plane")
-        return RefBackend.decode(self, query, cache, cache, meta, scale)[..., :kv_lora_rank]
-
-
-def _cos_sin(positions, cos, sin, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_pos, D/2] -> the positions' [T, 1, D] (both halves) in dtype."""
-    c = cos.index_select(0, positions)
-    s = sin.index_select(0, positions)
-    return (torch.cat((c, c), dim=-1).unsqueeze(1).to(dtype), torch.cat((s, s), dim=-1).unsqueeze(1).to(dtype))
 
 
 def _dequantized_blocks(k_cache, v_cache, block_tables, kv_scales: KVCacheScales, dtype: torch.dtype):

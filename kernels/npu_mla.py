@@ -19,9 +19,14 @@ Both ops take Atlas A2/A3's sizes only: kv_lora_rank 512, qk_rope_head_dim 64 (D
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kernels.api import DecodeMetadata
+from kernels.ref import RefBackend
+
+log = logging.getLogger("pdmesh.kernels")
 
 RANK, ROPE = 512, 64
 
@@ -68,3 +73,47 @@ def fia_mla_decode(npu, scale_keyword: str, query: torch.Tensor, nope_cache: tor
             torch.int32).contiguous(), block_size=block_size, actual_seq_lengths_kv=list(meta.seq_lens_list),
         sparse_mode=0, inner_precise=0, **{scale_keyword: float(scale)})
     return out.view(seqs, heads, RANK)
+
+
+class NpuMLA:
+    """NpuBackend's MLA methods (a mixin before Backend: its torch paths are Backend's).
+    Needs the backend's _npu, _valid_rows, _mla_missing and _told."""
+
+    def _say_once(self, key: str, message: str) -> None:
+        if key not in self._told:
+            self._told.add(key)
+            log.warning("npu kernel backend: %s", message)
+
+    def mla_latent(self, positions, q_pe, kv_a, norm_weight, eps: float, cos, sin, cache, slot_mapping):
+        """q_pe through npu_rotary_mul; c_kv's norm, k_pe's rope and the cache write through one
+        npu_kv_rmsnorm_rope_cache (write_latent_fused). torch's path where this torch_npu
+        lacks the op or the model lacks its sizes (said once), and for a step holding a slot
+        of -1 (the engine makes none)."""
+        rank = norm_weight.shape[0]
+        refusal = write_refusal(rank, kv_a.shape[1] - rank)
+        if self._mla_missing:
+            refusal = f"torch_npu {getattr(self._npu, '__version__', '?')} lacks {self._mla_missing}"
+        if refusal is not None:
+            self._say_once(refusal, f"{refusal}; MLA's latent norm, rope and cache write run torch's ops")
+        if refusal is not None or kv_a.shape[0] == 0 or self._valid_rows(slot_mapping) is not None:
+            return super().mla_latent(positions, q_pe, kv_a, norm_weight, eps, cos, sin, cache, slot_mapping)
+        c, s = cos_sin(positions, cos, sin, q_pe.dtype)
+        q_pe = self._npu.npu_rotary_mul(q_pe.contiguous(), c, s)
+        c_kv, k_pe = write_latent_fused(self._npu, kv_a, norm_weight, eps, c, s, cache, slot_mapping)
+        return q_pe, c_kv, k_pe
+
+    def mla_decode(self, query, cache, meta: DecodeMetadata, scale: float, kv_lora_rank: int) -> torch.Tensor:
+        """torch's paged decode (kernels/ref.py) over the latent plane: FIA's MLA mode wants the
+        nope and rope columns as two contiguous caches, and its plain mode a head_dim <= 512
+        (DeepSeek's latent row is 576 wide), so neither takes this cache (fia_mla_decode is the call for two planes)."""
+        self._say_once("mla_decode", "MLA's absorbed decode runs torch's paged decode: FIA's MLA mode needs "
+                                     "separate contiguous nope [.., 512] and rope [.., 64] caches, the latent "
+                                     "cache is one [.., kv_lora_rank + rope] plane")
+        return RefBackend.decode(self, query, cache, cache, meta, scale)[..., :kv_lora_rank]
+
+
+def cos_sin(positions, cos, sin, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_pos, D/2] -> the positions' [T, 1, D] (both halves) in dtype."""
+    c = cos.index_select(0, positions)
+    s = sin.index_select(0, positions)
+    return (torch.cat((c, c), dim=-1).unsqueeze(1).to(dtype), torch.cat((s, s), dim=-1).unsqueeze(1).to(dtype))
