@@ -13,7 +13,9 @@ msModelSlim's layout (quant_model_description.json; w8a8, w8a8-dynamic, w8a8-mix
 compressed-tensors llm-compressor's (w8a8-dynamic, w4a16). c8: an int8 KV cache with
 per-channel scales (msModelSlim's C8) from the calibration's key (after rotary) and value
 ranges: alone (float weights) or added to a W8A8 scheme ("w8a8-mix+c8", msModelSlim's
-W8A8C8). Exit code 0, 2 on bad input.
+W8A8C8). MoE models: w8a8-dynamic quantizes the routed experts too (no calibration through
+them); other schemes keep them float. MLA's kv_b_proj and the routers stay float in every
+scheme (services/quantize/kept_float.py). Exit code 0, 2 on bad input.
 """
 from __future__ import annotations
 

@@ -7,7 +7,9 @@ the reference tools) read.
               the Hessian X^T X                                   (calibration.py)
     smooth    W8A8: move activation outliers into the weights, SmoothQuant-style:
               x_j / s_j, W[:, j] * s_j, folded into the RMSNorm before (smoothing.py)
-    quantize  per projection: round-to-nearest (schemes.py) or GPTQ for int4 (gptq.py)
+    quantize  per projection: round-to-nearest (schemes.py) or GPTQ for int4 (gptq.py);
+              a MoE model's routed experts with w8a8-dynamic (experts.py); MLA's kv_b_proj
+              and the routers stay float (kept_float.py)
     write     compressed-tensors or msModelSlim layout (writers.py), the config/description
               that names every tensor, and the untouched tokenizer/config files
 """

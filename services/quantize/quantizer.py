@@ -11,11 +11,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from common.model.config import ModelConfig, load_model_config
 from common.model.formats import is_gguf
 from common.model.formats.checkpoint import iter_checkpoint
 from common.model.formats.quantization import quantization_of
 from services.quantize.calibration import calibrate
+from services.quantize.experts import QUANTIZED_EXPERT_SCHEMES, has_experts, quantize_experts
 from services.quantize.gptq import gptq_int4
+from services.quantize.kept_float import float_modules, kept_float_summary, router_gates, stays_float
 from services.quantize.smoothing import smooth
 from services.quantize.writers import writer_for
 
@@ -69,12 +72,26 @@ def check_out_dir(model_dir: Path, out_dir: Path) -> None:
             raise ValueError(f"--out {out_dir} exists and is not a quantized model; give a new or empty folder")
 
 
-def check_groups(model_dir: Path, group_size: int) -> None:
-    """ValueError unless group_size divides every projection's input features."""
-    from common.model.config import load_model_config
-    cfg = load_model_config(model_dir)
-    widths = {"hidden_size": cfg.hidden_size, "num_attention_heads * head_dim": cfg.num_heads * cfg.head_dim,
-              "intermediate_size": cfg.intermediate_size}
+def quantized_input_widths(cfg: ModelConfig) -> dict[str, int]:
+    """The input features of every projection W4A16 quantizes, by the config fields that
+    give them (MLA's kv_b_proj and the routed experts stay float: not among them)."""
+    widths = {"hidden_size": cfg.hidden_size}
+    if cfg.uses_mla:
+        if cfg.q_lora_rank:
+            widths["q_lora_rank"] = cfg.q_lora_rank
+        widths["num_attention_heads * v_head_dim"] = cfg.num_heads * cfg.v_head_dim
+    else:
+        widths["num_attention_heads * head_dim"] = cfg.num_heads * cfg.head_dim
+    if len(cfg.moe_layers) < cfg.num_layers:
+        widths["intermediate_size"] = cfg.intermediate_size
+    if cfg.moe_layers and cfg.n_shared_experts:
+        widths["moe_intermediate_size * n_shared_experts"] = cfg.moe_intermediate_size * cfg.n_shared_experts
+    return widths
+
+
+def check_groups(cfg: ModelConfig, group_size: int) -> None:
+    """ValueError unless group_size divides every quantized projection's input features."""
+    widths = quantized_input_widths(cfg)
     bad = {name: width for name, width in widths.items() if width % group_size}
     if bad:
         fits = [g for g in (256, 128, 64, 32, 16, 8) if all(w % g == 0 for w in widths.values())]
@@ -92,8 +109,13 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, prompts: list[lis
         raise ValueError(f"{model_dir}: already quantized ({quantization_of(model_dir)}); give a float model")
     writer = writer_for(options.fmt, options.scheme, options.group_size)
     check_out_dir(model_dir, out_dir)
+    cfg = load_model_config(model_dir)
+    if cfg.uses_mla and options.kv_int8:
+        raise ValueError(f"--scheme {options.scheme}: C8 (an int8 KV cache with per-channel K and V scales) does not "
+                         f"apply to {cfg.model_type}: MLA's cache holds the latent, not per-head K and V; "
+                         f"give a scheme without c8")
     if options.weights == "w4a16":
-        check_groups(model_dir, options.group_size)
+        check_groups(cfg, options.group_size)
     start = time.perf_counter()
     tensors = {name: tensor for name, tensor, _ in iter_checkpoint(model_dir)}
     kv: dict[int, dict[str, torch.Tensor]] | None = {} if options.kv_int8 else None
@@ -113,8 +135,12 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, prompts: list[lis
                  f"per layer, least {'+'.join(paths)} error on the calibration sample: "
                  + (f"{chosen[0]}..{chosen[-1]}" if chosen else "none better than unsmoothed"))
     out: dict[str, torch.Tensor] = {}
+    kept: list[str] = []
     for i, st in enumerate(stats.values(), 1):
         for name in st.projections:
+            if stays_float(name):
+                kept.append(name)
+                continue
             weight = tensors.pop(name + ".weight")
             bias = tensors.pop(name + ".bias", None)
             codes = scale = None
@@ -123,6 +149,11 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, prompts: list[lis
             out.update(writer.projection(name, weight, bias, st, codes, scale))
         if i % 8 == 0 or i == len(stats):
             log.info("quantized %d/%d linear layers", i, len(stats))
+    float_experts_why = _experts(tensors, out, writer, options, cfg.model_type)
+    gates = router_gates(tensors)
+    summary = kept_float_summary(kept, gates, float_experts_why) if options.weights != "c8" else None
+    if summary:
+        log.info("%s", summary)
     out.update(tensors)
     if kv is not None:
         out.update(writer.kv_cache_int8(kv))
@@ -131,9 +162,27 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, prompts: list[lis
     shutil.copytree(model_dir, staging, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json",
                                                                       "*.gguf", ".*"))
     save_file({k: v.contiguous() for k, v in out.items()}, staging / writer.weights_file)
-    writer.finish(staging, out)
+    writer.finish(staging, out, float_modules(kept, gates, float_experts_why is not None))
     if out_dir.exists():
         shutil.rmtree(out_dir)
     staging.rename(out_dir)
     log.info("wrote %s in %.1fs", out_dir, time.perf_counter() - start)
     return out_dir
+
+
+def _experts(tensors: dict[str, torch.Tensor], out: dict[str, torch.Tensor], writer, options: QuantizeOptions,
+             model_type: str) -> str | None:
+    """A MoE model's routed experts: quantized from tensors into out (both mutated) when the
+    scheme takes them (experts.py), else left in tensors. Returns why they stayed float
+    (None: quantized, or no experts, or float weights, c8, where nothing is quantized)."""
+    if options.weights == "c8" or not has_experts(tensors):
+        return None
+    if options.weights not in QUANTIZED_EXPERT_SCHEMES:
+        return (f"--scheme {options.weights}: the engine's MoE layer reads experts FLOAT or W8A8_DYNAMIC only; "
+                f"w8a8-dynamic quantizes them")
+    start = time.perf_counter()
+    done = quantize_experts(tensors, writer, model_type)
+    out.update(done)
+    log.info("quantized %d routed-expert projections per output channel in %.1fs (dynamic activations: no "
+             "calibration through the experts)", sum(k.endswith(".weight") for k in done), time.perf_counter() - start)
+    return None

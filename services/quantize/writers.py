@@ -10,6 +10,7 @@ config (compressed-tensors: config.json's quantization_config) or the descriptio
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -33,9 +34,10 @@ class CompressedTensorsWriter:
         self.scheme, self.group_size = scheme, group_size
         self.weights_file = "model.safetensors"
 
-    def projection(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, stats: InputStats,
+    def projection(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, stats: InputStats | None,
                    codes: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """name: the checkpoint's projection name; codes/scale: already quantized (GPTQ)."""
+        """name: the checkpoint's projection name; stats: its input's (None: a routed
+        expert's, w8a8-dynamic only); codes/scale: already quantized (GPTQ)."""
         out: dict[str, torch.Tensor] = {}
         if self.scheme == "w8a8-dynamic":
             codes, scale = int8_per_channel(weight, CT_DIVISOR)
@@ -50,7 +52,9 @@ class CompressedTensorsWriter:
             out[name + ".bias"] = bias
         return out
 
-    def finish(self, out_dir: Path, tensors: dict[str, torch.Tensor]) -> None:
+    def finish(self, out_dir: Path, tensors: dict[str, torch.Tensor], float_modules: Sequence[str] = ()) -> None:
+        """config.json's quantization_config; float_modules: what stayed float beside lm_head
+        (module names, or "re:" patterns), its `ignore`."""
         path = out_dir / "config.json"
         config = json.loads(path.read_text())
         if self.scheme == "w8a8-dynamic":
@@ -69,7 +73,7 @@ class CompressedTensorsWriter:
             fmt = "pack-quantized"
         config["quantization_config"] = {"quant_method": "compressed-tensors", "format": fmt,
                                          "quantization_status": "compressed", "config_groups": {"group_0": group},
-                                         "ignore": ["lm_head"], "kv_cache_scheme": None}
+                                         "ignore": ["lm_head", *float_modules], "kv_cache_scheme": None}
         path.write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -102,8 +106,9 @@ class MsModelSlimWriter:
         self.kv_type = "C8"
         return out
 
-    def projection(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, stats: InputStats,
+    def projection(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, stats: InputStats | None,
                    codes: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """stats None: a routed expert's (W8A8_DYNAMIC only: static types need its input range)."""
         if self.kind == "FLOAT":
             return {name + ".weight": weight, **({name + ".bias": bias} if bias is not None else {})}
         codes, w_scale = int8_per_channel(weight, MS_DIVISOR)
@@ -131,7 +136,9 @@ class MsModelSlimWriter:
             self.types[name + ".bias"] = "FLOAT"
         return out
 
-    def finish(self, out_dir: Path, tensors: dict[str, torch.Tensor]) -> None:
+    def finish(self, out_dir: Path, tensors: dict[str, torch.Tensor], float_modules: Sequence[str] = ()) -> None:
+        """quant_model_description.json: every tensor this writer did not quantize is FLOAT
+        (float_modules among them: the description names them by tensor, not module)."""
         types = {name: self.types.get(name, "FLOAT") for name in tensors}
         description = {"version": "1.0.0", "model_quant_type": self.kind, "group_size": 0, "metadata": {},
                        **({"kv_cache_type": self.kv_type} if self.kv_type else {}), **types}
