@@ -117,9 +117,9 @@ def attention(batch: int, context: int, rounds: int, steps: int) -> dict:
     cache, q_nope, q_pe, decode, prefill = inputs(cfg, batch, context)
     k_heads, v_heads, q_heads = per_head_caches(cfg, batch, context)
     runs = {
-        "absorbed_cpu": lambda: layer._decode(q_nope, q_pe, cache, _Batch(decode), cpu),
-        "absorbed_ref": lambda: layer._decode(q_nope, q_pe, cache, _Batch(decode), ref),
-        "expanded": lambda: layer._prefill(q_nope, q_pe, None, cache, prefill, cpu),
+        "absorbed_cpu": lambda: layer._decode(q_nope, q_pe, (cache,), _Batch(decode), cpu),
+        "absorbed_ref": lambda: layer._decode(q_nope, q_pe, (cache,), _Batch(decode), ref),
+        "expanded": lambda: layer._prefill(q_nope, q_pe, None, (cache,), prefill, cpu),
         "per_head_cache": lambda: cpu.decode(q_heads, k_heads, v_heads, decode, layer.scale),
     }
     with torch.inference_mode():

@@ -27,12 +27,15 @@ def _pack(token_ids: Sequence[int]) -> bytes:
 def layout_key(layout) -> str:
     """The layout part of every block hash: what two KV caches must share for a block to
     be valid in both. `layout` is anything with dtype, num_layers, num_kv_heads, head_dim,
-    block_size, scales_id and kind (common.kv_layout.KVLayout or its proto). A latent (MLA)
-    cache's key says so: its rows are not a head's K and V."""
+    block_size, scales_id, kind and rope_dim (common.kv_layout.KVLayout or its proto). A
+    latent (MLA) cache's key says so, and how its rows are split: its rows are not a head's K
+    and V, and a split latent's block bytes are laid out apart (kv-store blocks)."""
     key = (f"{layout.dtype}:L{layout.num_layers}:H{layout.num_kv_heads}"
            f":D{layout.head_dim}:B{layout.block_size}")
     if layout.kind == "latent":
         key += ":latent"
+    elif layout.kind == "latent_split":
+        key += f":latent_split:R{layout.rope_dim}"
     return f"{key}:{layout.scales_id}" if layout.scales_id else key
 
 

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.kv_int8 import KVCacheScales
+from kernels.mla_split_decode import split_latent_decode
 from kernels.moe import routed_experts, sigmoid_grouped_top_k, softmax_top_k
 
 
@@ -103,39 +104,54 @@ class Backend(ABC):
         """Store key/value [num_tokens, num_kv_heads, head_dim] into the caches (mutated in
         place) at slot_mapping (int64 [num_tokens]); a slot of -1 is skipped."""
 
-    def write_latent(self, latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """MLA: store latent rows [num_tokens, 1, kv_lora_rank + rope] into the latent cache
-        [num_blocks, block_size, 1, kv_lora_rank + rope] (in place) at slot_mapping; a slot
-        of -1 is skipped."""
+    def latent_planes(self, kv_lora_rank: int, rope_dim: int) -> int:
+        """How this backend wants MLA's latent cache: 1, one plane of [c_kv | k_pe] rows
+        [num_blocks, block_size, 1, kv_lora_rank + rope]; 2, c_kv [.., kv_lora_rank] and k_pe
+        [.., rope] as two contiguous planes (common/runner/split_latent_cache.py). The MLA
+        methods below take a layer's planes as a tuple of one or two."""
+        return 1
+
+    def write_latent(self, c_kv: torch.Tensor, k_pe: torch.Tensor, planes: tuple[torch.Tensor, ...],
+                     slot_mapping: torch.Tensor) -> None:
+        """MLA: store c_kv [num_tokens, kv_lora_rank] and k_pe [num_tokens, rope] into the
+        latent cache's planes (in place) at slot_mapping; a slot of -1 is skipped."""
         valid = slot_mapping >= 0
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping[valid], latent[valid].to(cache.dtype))
+        slots = slot_mapping[valid]
+        if len(planes) == 1:
+            rows = torch.cat([c_kv, k_pe], dim=-1)[valid].unsqueeze(1)
+            planes[0].view(-1, *planes[0].shape[2:]).index_copy_(0, slots, rows.to(planes[0].dtype))
+            return
+        for plane, rows in zip(planes, (c_kv, k_pe)):
+            plane.view(-1, *plane.shape[2:]).index_copy_(0, slots, rows[valid].unsqueeze(1).to(plane.dtype))
 
     def mla_latent(self, positions: torch.Tensor, q_pe: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor,
-                   eps: float, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
+                   eps: float, cos: torch.Tensor, sin: torch.Tensor, planes: tuple[torch.Tensor, ...],
                    slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """MLA's step before attention (common/model/layers/mla.py): kv_a [num_tokens,
         kv_lora_rank + rope] is kv_a_proj_with_mqa's output, c_kv then k_pe, both rope parts
         (k_pe and q_pe [num_tokens, num_heads, rope]) already in rotate-half order. Returns
         (q_pe rotated, c_kv = rms_norm(kv_a[:, :kv_lora_rank], norm_weight, eps) [num_tokens,
-        kv_lora_rank], k_pe rotated [num_tokens, rope]) and writes the rows [c_kv | k_pe] into
-        the latent cache at slot_mapping as write_latent does (in place). Here: rms_norm,
+        kv_lora_rank], k_pe rotated [num_tokens, rope]) and writes them into the latent
+        cache's planes at slot_mapping as write_latent does (in place). Here: rms_norm,
         rotary, write_latent."""
         rank = norm_weight.shape[0]
         c_kv = self.rms_norm(kv_a[:, :rank].contiguous(), norm_weight, eps)
         q_pe, k_pe = self.rotary(positions, q_pe, kv_a[:, None, rank:].contiguous(), cos, sin)
         k_pe = k_pe.reshape(kv_a.shape[0], -1)
-        self.write_latent(torch.cat([c_kv, k_pe], dim=-1).unsqueeze(1), cache, slot_mapping)
+        self.write_latent(c_kv, k_pe, planes, slot_mapping)
         return q_pe, c_kv, k_pe
 
-    def mla_decode(self, query: torch.Tensor, cache: torch.Tensor, meta: DecodeMetadata, scale: float,
+    def mla_decode(self, query: torch.Tensor, planes: tuple[torch.Tensor, ...], meta: DecodeMetadata, scale: float,
                    kv_lora_rank: int) -> torch.Tensor:
         """MLA's absorbed decode (common/model/layers/mla.py): query [num_seqs, num_heads,
-        kv_lora_rank + rope] (q_nope through W_UK, then q_pe) over the latent cache
-        [num_blocks, block_size, 1, kv_lora_rank + rope] as one KV head whose values are
-        each row's first kv_lora_rank columns (c_kv). Returns [num_seqs, num_heads,
-        kv_lora_rank] in query's dtype. Here: the paged decode with the cache as both K and
-        V (its rope columns' output dropped: rope / (kv_lora_rank + rope) more value work)."""
-        return self.decode(query, cache, cache, meta, scale)[..., :kv_lora_rank]
+        kv_lora_rank + rope] (q_nope through W_UK, then q_pe) over the latent cache as one KV
+        head whose keys are the rows [c_kv | k_pe] and values their c_kv. Returns [num_seqs,
+        num_heads, kv_lora_rank] in query's dtype. Here, one plane: the paged decode with the
+        cache as both K and V (its rope columns' output dropped: rope / (kv_lora_rank + rope)
+        more value work); two: torch's (kernels/mla_split_decode.py)."""
+        if len(planes) == 2:
+            return split_latent_decode(query, planes[0], planes[1], meta, scale)
+        return self.decode(query, planes[0], planes[0], meta, scale)[..., :kv_lora_rank]
 
     @abstractmethod
     def prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

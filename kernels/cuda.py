@@ -118,18 +118,21 @@ class CudaBackend(RefBackend):
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
 
-    def write_latent(self, latent, cache, slot_mapping) -> None:
+    def write_latent(self, c_kv, k_pe, planes, slot_mapping) -> None:
+        """One latent plane (latent_planes() is 1 here), with one host sync a step."""
         rows = self._valid_rows(slot_mapping)
         if rows is not None:
-            latent, slot_mapping = latent[rows], slot_mapping[rows]
+            c_kv, k_pe, slot_mapping = c_kv[rows], k_pe[rows], slot_mapping[rows]
+        cache = planes[0]
+        latent = torch.cat([c_kv, k_pe], dim=-1).unsqueeze(1)
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, latent.to(cache.dtype))
 
-    def mla_decode(self, query, cache, meta: DecodeMetadata, scale: float, kv_lora_rank: int) -> torch.Tensor:
+    def mla_decode(self, query, planes, meta: DecodeMetadata, scale: float, kv_lora_rank: int) -> torch.Tensor:
         """flash-attn takes head_dim <= 256 and a latent row is wider (DeepSeek's 576):
         ref's tiled paged decode over it then (a FlashMLA kernel is what would be fast)."""
         if query.shape[-1] > FLASH_MAX_HEAD_DIM:
-            return RefBackend.decode(self, query, cache, cache, meta, scale)[..., :kv_lora_rank]
-        return super().mla_decode(query, cache, meta, scale, kv_lora_rank)
+            return RefBackend.decode(self, query, planes[0], planes[0], meta, scale)[..., :kv_lora_rank]
+        return super().mla_decode(query, planes, meta, scale, kv_lora_rank)
 
     def _use_flash(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         if self.flash is None or query.dtype not in _HALF:

@@ -13,9 +13,9 @@ Per layer and step:
                  npu_moe_init_routing_v2 -> npu_grouped_matmul (w13) -> npu_swiglu ->
                  npu_grouped_matmul (w2) -> npu_moe_finalize_routing (routed_experts below)
     rotary    -> torch_npu.npu_rotary_mul(x, cos, sin) (rotate-half) on q and k
-    MLA       -> latent norm + rope + cache write: npu_kv_rmsnorm_rope_cache into the one
-                 latent plane through two strided views; the absorbed decode: torch's paged
-                 decode, FIA's MLA mode needing two contiguous planes (kernels/npu_mla.py)
+    MLA       -> a split latent cache (c_kv and k_pe planes); latent norm + rope + cache
+                 write: npu_kv_rmsnorm_rope_cache; the absorbed decode: FIA's MLA mode
+                 (kernels/npu_mla.py)
 
 Attention call, both phases (page attention over the layer's caches):
     query [T, N, D] ("TND"), key/value = caches viewed as [num_blocks, 128, KV_N * D]

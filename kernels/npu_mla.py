@@ -1,21 +1,20 @@
 """Multi-head Latent Attention on the npu backend (kernels/npu.py calls these).
 
-The latent cache is one plane a layer, [num_blocks, block_size, 1, kv_lora_rank + rope]:
-each row c_kv then k_pe (kernels/api.py). torch_npu's MLA ops were made for vLLM-Ascend's
-two planes, nope [NB, BS, 1, 512] and rope [NB, BS, 1, 64], each contiguous:
+torch_npu's MLA ops were made for vLLM-Ascend's two planes, nope [NB, BS, 1, 512] and rope
+[NB, BS, 1, 64], each contiguous, so for DeepSeek's sizes the backend asks for the split
+latent cache (latent_planes() == 2; common/runner/split_latent_cache.py):
 
-    write   npu_kv_rmsnorm_rope_cache takes strided caches (its kernel's parameter table,
-            aclnnKvRmsNormRopeCacheV2: non-contiguous √ for kCacheRef / ckvCacheRef), so it
-            writes the plane through two views, ckv_cache = plane[..., :512] and
-            k_cache = plane[..., 512:] (row stride 576): no copy.
-    decode  npu_fused_infer_attention_score's MLA mode (query_rope / key_rope) takes key,
-            value and key_rope contiguous only ("不支持非连续Tensor"); views of the plane are
-            refused and a copy of the whole cache each step is out of the question, so the
-            backend's decode stays on torch's paged decode (kernels/ref.py) until the cache
-            is split into two planes. fia_mla_decode is the call for that layout, checked
-            against the emulator, not used by the backend yet.
+    write   npu_kv_rmsnorm_rope_cache into the two planes (it also takes strided caches,
+            aclnnKvRmsNormRopeCacheV2's table: non-contiguous √ for kCacheRef / ckvCacheRef,
+            so a one-plane cache is written through two views of it: no copy).
+    decode  npu_fused_infer_attention_score's MLA mode (query_rope / key_rope) over the two
+            planes (fia_mla_decode). It takes key, value and key_rope contiguous only
+            ("不支持非连续Tensor"): views of one plane would be refused, hence the split.
+            It also takes 1, 2, 4, .., 128 query heads only: other head counts a rank (a TP
+            size that leaves, say, 48) decode in torch (kernels/mla_split_decode.py), said once.
 
 Both ops take Atlas A2/A3's sizes only: kv_lora_rank 512, qk_rope_head_dim 64 (DeepSeek-V2/V3's).
+Other sizes get the one-plane cache and torch's paths.
 """
 from __future__ import annotations
 
@@ -24,11 +23,13 @@ import logging
 import torch
 
 from kernels.api import DecodeMetadata
+from kernels.mla_split_decode import split_latent_decode
 from kernels.ref import RefBackend
 
 log = logging.getLogger("pdmesh.kernels")
 
 RANK, ROPE = 512, 64
+FIA_MLA_QUERY_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def write_refusal(rank: int, rope: int) -> str | None:
@@ -40,8 +41,9 @@ def write_refusal(rank: int, rope: int) -> str | None:
 
 
 def write_latent_fused(npu, kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                       sin: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor):
-    """Backend.mla_latent's c_kv and k_pe through one npu_kv_rmsnorm_rope_cache ("PA_BNSD").
+                       sin: torch.Tensor, planes: tuple[torch.Tensor, ...], slot_mapping: torch.Tensor):
+    """Backend.mla_latent's c_kv and k_pe through one npu_kv_rmsnorm_rope_cache ("PA_BNSD")
+    into the cache's planes (nope, rope), or into two views of one [.., 576] plane.
     kv_a [n, 576] with its rope part in rotate-half order; cos / sin [n, 1, 64] (both halves);
     every slot valid. The op first de-interleaves its rope input's pairs (x0 x2 .. | x1 x3 ..),
     so the halves are put back into pairs while the [1, 1, n, 576] input is built; the n
@@ -51,9 +53,10 @@ def write_latent_fused(npu, kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: 
     kv = kv_a.new_empty(1, 1, n, RANK + ROPE)
     kv[0, 0, :, :RANK] = kv_a[:, :RANK]
     kv[0, 0, :, RANK:].view(n, ROPE // 2, 2).copy_(kv_a[:, RANK:].view(n, 2, ROPE // 2).transpose(1, 2))
+    nope, rope = planes if len(planes) == 2 else (planes[0][..., :RANK], planes[0][..., RANK:])
     _, _, k_pe, c_kv = npu.npu_kv_rmsnorm_rope_cache(
         kv, norm_weight, cos.view(1, 1, n, ROPE), sin.view(1, 1, n, ROPE), slot_mapping.to(torch.int64),
-        cache[..., RANK:], cache[..., :RANK], epsilon=float(eps), cache_mode="PA_BNSD", is_output_kv=True)
+        rope, nope, epsilon=float(eps), cache_mode="PA_BNSD", is_output_kv=True)
     return c_kv.view(n, RANK), k_pe.view(n, ROPE)
 
 
@@ -84,7 +87,11 @@ class NpuMLA:
             self._told.add(key)
             log.warning("npu kernel backend: %s", message)
 
-    def mla_latent(self, positions, q_pe, kv_a, norm_weight, eps: float, cos, sin, cache, slot_mapping):
+    def latent_planes(self, kv_lora_rank: int, rope_dim: int) -> int:
+        """Two (c_kv, k_pe) for the sizes FIA's MLA mode takes; one otherwise."""
+        return 2 if write_refusal(kv_lora_rank, rope_dim) is None else 1
+
+    def mla_latent(self, positions, q_pe, kv_a, norm_weight, eps: float, cos, sin, planes, slot_mapping):
         """q_pe through npu_rotary_mul; c_kv's norm, k_pe's rope and the cache write through one
         npu_kv_rmsnorm_rope_cache (write_latent_fused). torch's path where this torch_npu
         lacks the op or the model lacks its sizes (said once), and for a step holding a slot
@@ -96,20 +103,26 @@ class NpuMLA:
         if refusal is not None:
             self._say_once(refusal, f"{refusal}; MLA's latent norm, rope and cache write run torch's ops")
         if refusal is not None or kv_a.shape[0] == 0 or self._valid_rows(slot_mapping) is not None:
-            return super().mla_latent(positions, q_pe, kv_a, norm_weight, eps, cos, sin, cache, slot_mapping)
+            return super().mla_latent(positions, q_pe, kv_a, norm_weight, eps, cos, sin, planes, slot_mapping)
         c, s = cos_sin(positions, cos, sin, q_pe.dtype)
         q_pe = self._npu.npu_rotary_mul(q_pe.contiguous(), c, s)
-        c_kv, k_pe = write_latent_fused(self._npu, kv_a, norm_weight, eps, c, s, cache, slot_mapping)
+        c_kv, k_pe = write_latent_fused(self._npu, kv_a, norm_weight, eps, c, s, planes, slot_mapping)
         return q_pe, c_kv, k_pe
 
-    def mla_decode(self, query, cache, meta: DecodeMetadata, scale: float, kv_lora_rank: int) -> torch.Tensor:
-        """torch's paged decode (kernels/ref.py) over the latent plane: FIA's MLA mode wants the
-        nope and rope columns as two contiguous caches, and its plain mode a head_dim <= 512
-        (DeepSeek's latent row is 576 wide), so neither takes this cache (fia_mla_decode is the call for two planes)."""
-        self._say_once("mla_decode", "MLA's absorbed decode runs torch's paged decode: FIA's MLA mode needs "
-                                     "separate contiguous nope [.., 512] and rope [.., 64] caches, the latent "
-                                     "cache is one [.., kv_lora_rank + rope] plane")
-        return RefBackend.decode(self, query, cache, cache, meta, scale)[..., :kv_lora_rank]
+    def mla_decode(self, query, planes, meta: DecodeMetadata, scale: float, kv_lora_rank: int) -> torch.Tensor:
+        """FIA's MLA mode over the two planes (fia_mla_decode); torch's decode where the
+        rank's query heads are not a power of 2 up to 128 (said once), or over one plane (a
+        model without DeepSeek's sizes: latent_planes() gave it one)."""
+        heads = query.shape[1]
+        if len(planes) == 2 and heads in FIA_MLA_QUERY_HEADS:
+            return fia_mla_decode(self._npu, self._scale_kw, query, planes[0], planes[1], meta, scale)
+        if len(planes) == 2:
+            self._say_once("mla_heads", f"FIA's MLA mode takes {list(FIA_MLA_QUERY_HEADS)} query heads, this rank "
+                                        f"has {heads}: MLA's absorbed decode runs torch's")
+            return split_latent_decode(query, planes[0], planes[1], meta, scale)
+        self._say_once("mla_one_plane", f"MLA's absorbed decode runs torch's paged decode: FIA's MLA mode takes "
+                                        f"kv_lora_rank {RANK} and qk_rope_head_dim {ROPE} only (a one-plane latent cache)")
+        return RefBackend.decode(self, query, planes[0], planes[0], meta, scale)[..., :kv_lora_rank]
 
 
 def cos_sin(positions, cos, sin, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -134,7 +134,7 @@ class LLMEngine:
         self.expert_load = ExpertLoad.of_model(self.model)   # None: a dense model
         self.model_id = config.model_id or Path(config.model).resolve().name
         self.kv_scales_id = self.model.kv_scales_id
-        self.layout = layout_key(KVLayout.of_tensor(self.kv_cache, self.kv_scales_id))
+        self.layout = layout_key(KVLayout.of_cache(self.kv_cache, self.kv_scales_id))
         self.block_manager = BlockManager(self.num_blocks, self.block_size, self.model_id,
                                           self.layout, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,

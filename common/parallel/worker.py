@@ -62,6 +62,9 @@ class WorkerSpec:
     # makes this rank's transfer engine (picklable, e.g. a functools.partial of a module
     # function); None: the rank neither pushes nor receives KV
     transfer_factory: Callable[[], object] | None = None
+    # rank 0 runs on the torch_npu emulator (kernels/testing/fake_torch_npu.py, a machine
+    # without an NPU): this rank installs it too, before loading
+    torch_npu_emulator: bool = False
 
 
 def _watch_parent(spec: WorkerSpec) -> None:
@@ -98,6 +101,9 @@ def main(spec: WorkerSpec, writes_conn=None) -> None:
     from common.parallel.group import TPGroup, make_store
 
     cpu_budget.apply(spec.cpu_cores, spec.num_threads)
+    if spec.torch_npu_emulator:
+        from kernels.testing import fake_torch_npu
+        fake_torch_npu.install()
     size = spec.config.tensor_parallel_size
     store = make_store(spec.rank, size, spec.store_port)
     key = f"{spec.group_name}/"
@@ -156,7 +162,7 @@ def _start_transfer(spec: WorkerSpec, runner, writes_conn) -> bytes:
     kv_cache = runner.kv_cache
     transfer = spec.transfer_factory()
     transfer.register(kv_cache.data_ptr(), kv_cache.numel() * kv_cache.element_size())
-    layout = KVLayout.of_tensor(kv_cache, runner.model.kv_scales_id)
+    layout = KVLayout.of_cache(kv_cache, runner.model.kv_scales_id)
     # the worker has no logging set up: stderr is the node's log
     print(f"tensor-parallel rank {spec.rank}: KV cache registered with {transfer.name} at {transfer.endpoint}, "
           f"listening on {', '.join(transfer.listen_addresses) or 'no listener of its own'}", file=sys.stderr, flush=True)

@@ -24,6 +24,7 @@ import torch
 from common.model.formats.quantization import quantization_config
 from common.model.registry import build_model
 from common.model.step_batch import StepBatch
+from common.runner.split_latent_cache import SplitLatentCache
 from common.runner.step_inputs import StepInputs
 from kernels import DecodeMetadata, PrefillMetadata
 
@@ -33,7 +34,8 @@ def load_rank(mcfg, backend, dtype: torch.dtype, device: torch.device, model_dir
               w8a8_mix_path: str = "dynamic", lm_head_int8: bool = False) -> tuple[torch.nn.Module, torch.Tensor]:
     """One rank's model (its shard's weights, read from model_dir, on device, linears
     prepared) and its zeroed KV cache [num_layers, kv_planes, num_blocks, block_size, its KV
-    heads, head_dim] (MLA: one plane of one latent head) (int8 for a C8 checkpoint): what rank 0 (LLMEngine) and every worker (common/parallel/worker.py)
+    heads, head_dim] (MLA: one plane of one latent head, or a SplitLatentCache where the
+    backend wants two) (int8 for a C8 checkpoint): what rank 0 (LLMEngine) and every worker (common/parallel/worker.py)
     build alike. lm_head_int8: the vocabulary matrix in int8 (layers/int8_vocab.py). ValueError naming the problem for a checkpoint the engine cannot read."""
     model = build_model(mcfg, backend, dtype, max_positions=max_model_len, shard=shard,
                         quant=quantization_config(model_dir, w8a8_mix_path))
@@ -43,6 +45,9 @@ def load_rank(mcfg, backend, dtype: torch.dtype, device: torch.device, model_dir
         model.kv_scales_id = kv_scales_id(model_dir)
     model.to(device)
     model.prepare_linears(lm_head_int8)
+    if mcfg.uses_mla and backend.latent_planes(mcfg.kv_lora_rank, mcfg.qk_rope_head_dim) == 2:
+        return model, SplitLatentCache(mcfg.num_layers, num_blocks, block_size, mcfg.kv_lora_rank,
+                                       mcfg.qk_rope_head_dim, model.kv_cache_dtype, device)
     kv_cache = torch.zeros(mcfg.num_layers, mcfg.kv_planes, num_blocks, block_size, shard.num_kv_heads, mcfg.head_dim,
                            dtype=model.kv_cache_dtype, device=device)
     return model, kv_cache

@@ -13,12 +13,14 @@ Address arithmetic (strides in bytes, from KVLayout):
     +-------------------------------------------+--------------------- ...
          <-->  block_bytes = block_size * num_kv_heads * head_dim * itemsize
 
-    address(layer, kv, b) = base + layer * strides[0] + kv * strides[1] + b * strides[2]
+    address(layer, kv, b) = base + layer * strides[0] + kv * strides[1] + b * plane_block_bytes(kv)
+
+(MLA's split latent: plane 0 c_kv, plane 1 k_pe, each plane's blocks of its own width.)
 
 Source ids [4, 5, 6, 9] -> destination ids [0, 1, 2, 3] form two runs, ([4, 5, 6] -> [0, 1, 2])
 and ([9] -> [3]): a run is a maximal stretch where both the source and the destination ids
 go up by one, so it is one contiguous range on each side. Each (layer, k/v, run) becomes one
-(local_address, remote_address, run_length * block_bytes) write, in the order
+(local_address, remote_address, run_length * the plane's block bytes) write, in the order
 layer, then K before V, then run.
 
 Reads are the same plan with the roles swapped: the peer's blocks are the source, the local
@@ -83,12 +85,11 @@ def plan_block_writes(src: KVLayout, dst: KVLayout, src_block_ids: Sequence[int]
     src.check_compatible(dst)
     layers = _checked(src, dst, src_block_ids, dst_block_ids, layers, last_block_tokens)
     runs = block_runs(src_block_ids, dst_block_ids)
-    short = 0  # bytes left out at the end of the last run
-    if last_block_tokens is not None:
-        short = (src.block_size - last_block_tokens) * (src.block_bytes // src.block_size)
+    untouched = 0 if last_block_tokens is None else src.block_size - last_block_tokens
     last = len(runs) - 1
+    sizes = [src.plane_block_bytes(kv) for kv in range(src.planes)]     # a split latent's differ
     return [(src.block_address(layer, kv, s), dst.block_address(layer, kv, d),
-             n * src.block_bytes - (short if i == last else 0))
+             n * sizes[kv] - (untouched * sizes[kv] // src.block_size if i == last else 0))
             for layer in layers for kv in range(src.planes) for i, (s, d, n) in enumerate(runs)]
 
 
@@ -108,6 +109,8 @@ def plan_head_slice_writes(src: KVLayout, dst: KVLayout, head_offset: int, src_b
     if src.num_kv_heads == dst.num_kv_heads and head_offset == 0:
         return plan_block_writes(src, dst, src_block_ids, dst_block_ids, layers, last_block_tokens)
     src.check_compatible(dst, same_heads=False)
+    if src.is_latent:
+        raise ValueError(f"a {src.kind} cache has one head on every rank: it is copied whole, never by head slices")
     if not 0 <= head_offset <= dst.num_kv_heads - src.num_kv_heads:
         raise ValueError(f"heads [{head_offset}, {head_offset + src.num_kv_heads}) do not fit the "
                          f"destination's {dst.num_kv_heads} KV heads")

@@ -129,7 +129,7 @@ class KVStore:
         if (model_id, layout_key(layout)) not in families and len(families) >= self.cfg.max_spaces:
             raise SpacesExhausted(f"the store holds {len(families)} key spaces (kv_store.max_spaces); "
                                   f"{model_id} {key[1]} is not one of them")
-        per_slot = layout.num_layers * layout.planes * layout.block_bytes
+        per_slot = layout.num_layers * layout.layer_block_bytes
         num_slots = int(self.cfg.capacity_mb * (1 << 20)) // per_slot
         if num_slots < 1:
             raise ValueError(f"kv_store.capacity_mb {self.cfg.capacity_mb} holds no block of {per_slot} bytes")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from common.kv_layout import PLANES
+from common.kv_layout import LATENT_KINDS, PLANES
 
 NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 MAX_FIELD_CHARS = 256     # address, model_id, transfer endpoint, instance_id
@@ -13,7 +13,8 @@ MAX_FIELD_CHARS = 256     # address, model_id, transfer endpoint, instance_id
 TRANSFER_BACKENDS = ("mooncake", "grpc", "fake")
 MAX_TENSOR_PARALLEL = 64
 # what every rank of a node has alike (each its own heads and addresses)
-RANK_SHARED_FIELDS = ("kind", "dtype", "scales_id", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim")
+RANK_SHARED_FIELDS = ("kind", "dtype", "scales_id", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim",
+                      "rope_dim")
 
 
 def node_info_error(node) -> str:
@@ -39,8 +40,10 @@ def node_info_error(node) -> str:
             return f"{where}: dtype at most 32 characters, at most 8 strides"
         if layout.kind not in ("", *PLANES):     # "": a node from before the field (K and V)
             return f"{where}.kind must be one of {', '.join(PLANES)}"
-        if layout.kind == "latent" and layout.num_kv_heads != 1:
-            return f"{where}.num_kv_heads must be 1 for kind latent"
+        if layout.kind in LATENT_KINDS and layout.num_kv_heads != 1:
+            return f"{where}.num_kv_heads must be 1 for kind {layout.kind}"
+        if (layout.kind == "latent_split") != (layout.rope_dim > 0):
+            return f"{where}.rope_dim must be > 0 for kind latent_split and 0 otherwise"
     if not 0 <= node.tensor_parallel_size <= MAX_TENSOR_PARALLEL:
         return f"node.tensor_parallel_size must be in [0, {MAX_TENSOR_PARALLEL}] (0 or 1: one rank)"
     if len(node.kv_ranks) not in (0, max(node.tensor_parallel_size, 1)):

@@ -52,6 +52,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from common.config import POLICIES
+from common.kv_layout import LATENT_KINDS
 from common.transfer.tp_pairing import pairing_refusal
 from services.meta_server.prefix_index import PrefixIndex
 from services.meta_server.registry import Member
@@ -107,7 +108,7 @@ class Router:
         self.routed_by_node: Counter[str] = Counter()
         self.node_roles: dict[str, str] = {}
         self.num_tp_refused = 0            # requests prefilled locally: no prefill node's TP fits
-        self._tp_refusals_logged: set[tuple[int, int, int, int]] = set()
+        self._tp_refusals_logged: set[tuple] = set()     # (p, heads_p, d, heads_d, kind_p, kind_d)
 
     def route(self, members: list[Member], request: RouteRequest, policy: str,
               drained: frozenset[str] = frozenset()) -> RouteDecision:
@@ -142,11 +143,13 @@ class Router:
         fit = []
         for m in prefills:
             p, heads_p = tp_shape(m)
-            refusal = pairing_refusal(p, heads_p, d, heads_d, latent_cache(decode) and latent_cache(m))
+            kind_p, kind_d = cache_kind(m), cache_kind(decode)
+            refusal = (f"its KV cache is {kind_p}, the decode node's {kind_d}" if kind_p != kind_d else
+                       pairing_refusal(p, heads_p, d, heads_d, kind_d in LATENT_KINDS))
             if refusal is None:
                 fit.append(m)
-            elif (p, heads_p, d, heads_d) not in self._tp_refusals_logged:
-                self._tp_refusals_logged.add((p, heads_p, d, heads_d))
+            elif (p, heads_p, d, heads_d, kind_p, kind_d) not in self._tp_refusals_logged:
+                self._tp_refusals_logged.add((p, heads_p, d, heads_d, kind_p, kind_d))
                 log.warning("prefill node %s cannot push into decode node %s: %s; such pairs are never routed",
                             m.node_id, decode.node_id, refusal)
         return fit
@@ -206,9 +209,10 @@ class Router:
         self.node_roles.pop(node_id, None)
 
 
-def latent_cache(member: Member) -> bool:
-    """An MLA model's node: its ranks hold the same latent cache (any TP pairs with any)."""
-    return member.info.kv_layout.kind == "latent"
+def cache_kind(member: Member) -> str:
+    """Its KV layout's kind ("kv" for a node from before the field). An MLA model's node
+    (a latent kind) holds the same latent on every rank: any TP pairs with any of one kind."""
+    return member.info.kv_layout.kind or "kv"
 
 
 def tp_shape(member: Member) -> tuple[int, int]:

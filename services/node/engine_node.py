@@ -110,13 +110,13 @@ class EngineNode:
             self.transfer = node_transfer(mesh, node.advertised_host)
             kv = self.llm_engine.kv_cache
             self.transfer.register(kv.data_ptr(), kv.numel() * kv.element_size())
-            self.layout = KVLayout.of_tensor(kv, self.llm_engine.kv_scales_id)
+            self.layout = KVLayout.of_cache(kv, self.llm_engine.kv_scales_id)
             self.kv_ranks = [common_pb2.KVRank(transfer_endpoint=self.transfer.endpoint,
                                                layout=self.layout.to_proto())]
             self.kv_ranks += [common_pb2.KVRank.FromString(raw) for raw in (tp.kv_ranks if tp is not None else ())]
             self.rank_layouts = [KVLayout.from_proto(r.layout) for r in self.kv_ranks]
             # a latent (MLA) cache is whole on every rank: its pushes never stage (kv_destination.py)
-            staged = tp is not None and node.role == "prefill" and self.layout.kind == "kv"
+            staged = tp is not None and node.role == "prefill" and not self.layout.is_latent
             self.staging = self._staging() if staged else None
         except BaseException:   # no step thread or rank left behind by a node that did not start
             self.llm_engine.close(graceful=self.engine.shutdown())

@@ -67,7 +67,7 @@ def rank_targets(own: Sequence[KVLayout], dest: Sequence[tuple[str, KVLayout]]) 
     """own: this node's rank layouts (rank 0 first); dest: the decode node's (endpoint,
     layout) per rank. ValueError, in words, for a pair that cannot be served."""
     p, d = len(own), len(dest)
-    latent = own[0].kind == "latent"        # a decode cache of another kind: check_compatible refuses it
+    latent = own[0].is_latent        # a decode cache of another kind: check_compatible refuses it
     pairs = rank_writes(p, own[0].num_kv_heads, d, dest[0][1].num_kv_heads, latent)
     whole = p == d or latent
     return [RankTarget(w.src, dest[w.dst][0], dest[w.dst][1], None if whole else w.head_offset) for w in pairs]
@@ -151,7 +151,7 @@ def destination_writes(sender: KVSender, writers: RankWriters | None, own: Seque
     for t in targets:
         own[t.src].check_compatible(t.layout, same_heads=t.head_offset is None)
     slices = RankPairWrites(sender, writers, targets)
-    if staging is None or len(own) == len(dest) or own[0].kind == "latent":
+    if staging is None or len(own) == len(dest) or own[0].is_latent:
         return slices
     return StagedWrites(staging, slices, dest, len(own) // len(dest))
 

@@ -242,11 +242,11 @@ def test_fia_mla_options_not_modeled(fia, change):
         fia(*args, **kw)
 
 
-# ---- our latent plane ----------------------------------------------------------------------
+# ---- our latent planes ---------------------------------------------------------------------
 def test_fia_mla_decode_call_matches_ref_on_two_planes_and_cannot_read_one(npu_emulator):
     """kernels/npu_mla.fia_mla_decode (vLLM-Ascend's call) equals the paged decode over the
-    plane when the nope and rope columns are two contiguous caches; over views of the one
-    plane FIA refuses: why NpuBackend.mla_decode stays on torch's decode."""
+    one plane when the nope and rope columns are two contiguous caches; over views of the one
+    plane FIA refuses: why the npu backend asks for a split latent cache."""
     import torch_npu
     plane, query, meta = _decode_case(4)
     scale = (R + P) ** -0.5

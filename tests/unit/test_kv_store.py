@@ -49,7 +49,7 @@ def test_latent_blocks_round_trip_through_the_store():
         store = new_store(8, writer)
         slots = put_blocks(store, writer, "m", TOKENS, [5, 6, 7, 2])
         space = next(iter(store.spaces.values()))
-        assert space.key.endswith(":latent") and space.memory.pool.shape[:2] == (2, 1)
+        assert space.key.endswith(":latent") and len(space.memory.planes) == 1
         assert space.memory.bytes_per_slot == 2 * BLOCK_SIZE * 24 * 4
         hashes = chain(TOKENS, "m", reader.layout)
         pin_id, got, _, _ = asyncio.run(store.pin_get("m", reader.layout, hashes, TOKENS))
@@ -60,6 +60,35 @@ def test_latent_blocks_round_trip_through_the_store():
         assert asyncio.run(store.lookup("m", as_kv.layout, chain(TOKENS, "m", as_kv.layout))) == (0, 0)
     finally:
         for c in (writer, reader, as_kv):
+            c.close()
+
+
+def test_split_latent_blocks_round_trip_through_the_store():
+    """A split latent cache's blocks (c_kv and k_pe planes of their own widths, the npu
+    backend's): each slot holds both planes' bytes in (layer, plane) order, read back whole
+    into another split cache; a one-plane latent cache of the same row never reads them."""
+    writer, reader = ClientCache(split_rope=8, head_dim=24), ClientCache(split_rope=8, head_dim=24, seed=1)
+    one_plane = ClientCache(latent=True, head_dim=32)
+    try:
+        store = new_store(8, writer)
+        slots = put_blocks(store, writer, "m", TOKENS, [5, 6, 7, 2])
+        space = next(iter(store.spaces.values()))
+        assert space.key.endswith(":latent_split:R8")
+        assert [p.shape[2] for p in space.memory.planes] == [BLOCK_SIZE * 24 * 4, BLOCK_SIZE * 8 * 4]
+        assert space.memory.bytes_per_slot == 2 * BLOCK_SIZE * 32 * 4
+        for block_id, slot in zip([5, 6, 7, 2], slots):
+            assert space.memory.read_slot(slot) == writer.block_bytes(block_id)
+        hashes = chain(TOKENS, "m", reader.layout)
+        pin_id, got, _, _ = asyncio.run(store.pin_get("m", reader.layout, hashes, TOKENS))
+        assert got == slots
+        reader.sender.fetch_blocks(store.transfer.endpoint, space.memory.layout, got, [0, 1, 2, 3])
+        assert store.release(pin_id)
+        assert torch.equal(reader.kv.nope[:, :4], writer.kv.nope[:, [5, 6, 7, 2]])
+        assert torch.equal(reader.kv.rope[:, :4], writer.kv.rope[:, [5, 6, 7, 2]])
+        assert not torch.equal(reader.kv.rope[:, 4], writer.kv.rope[:, 4])     # nothing else written
+        assert asyncio.run(store.lookup("m", one_plane.layout, chain(TOKENS, "m", one_plane.layout))) == (0, 0)
+    finally:
+        for c in (writer, reader, one_plane):
             c.close()
 
 

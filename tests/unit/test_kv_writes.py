@@ -9,9 +9,12 @@ import torch
 
 from common.hashing import layout_key
 from common.kv_layout import KVLayout
+from common.runner.split_latent_cache import SplitLatentCache
 from common.transfer import (KVSender, TransferError, block_runs, plan_block_reads,
                              plan_block_writes)
+from common.transfer.kv_writes import plan_head_slice_writes
 from common.transfer.fake import FakeTransfer
+from services.kv_store.slot_memory import SlotMemory
 
 BB = 256  # block_bytes of the layouts below: block_size 4 x 2 heads x head_dim 8 x 4 bytes
 
@@ -46,7 +49,7 @@ def test_layout_rejects_blocks_that_are_not_adjacent():
         layout(dtype="int4")
     with pytest.raises(ValueError, match=r"outside \[0, 2\) x \[0, 2\) x \[0, 8\)"):
         SRC.block_address(0, 0, 8)
-    with pytest.raises(ValueError, match="kind must be one of \\['kv', 'latent'\\], got 'mla'"):
+    with pytest.raises(ValueError, match="kind must be one of \\['kv', 'latent', 'latent_split'\\], got 'mla'"):
         layout(kind="mla")
 
 
@@ -76,6 +79,52 @@ def test_latent_layout_has_one_plane_and_its_own_hash_key():
         replace(lay, num_kv_heads=2, strides=(lay.strides[0], lay.strides[1], 2 * lay.block_bytes, 2 * 96, 96, 4))
     with pytest.raises(ValueError, match=r"latent, \[num_layers, 1, num_blocks, block_size, 1, width\]"):
         KVLayout.of_tensor(torch.zeros(2, 1, 8, 4, 2, 24))
+
+
+def test_split_latent_layout_addresses_each_plane_and_pushes_exactly_its_blocks(fake_pair):
+    """The npu backend's latent cache (common/runner/split_latent_cache.py): per layer a c_kv
+    plane then a k_pe plane of another width; a block is one span in each, a run of blocks
+    one write a (layer, plane) of that plane's length, a partial last block cut per plane."""
+    src = SplitLatentCache(3, 6, 4, 24, 8, torch.float32, torch.device("cpu"))
+    dst = SplitLatentCache(3, 9, 4, 24, 8, torch.float32, torch.device("cpu"))
+    src.buffer.copy_(torch.randn(src.buffer.shape))
+    ls, ld = KVLayout.of_cache(src), KVLayout.of_cache(dst)
+    assert (ls.kind, ls.planes, ls.head_dim, ls.rope_dim) == ("latent_split", 2, 24, 8)
+    assert [ls.plane_block_bytes(p) for p in (0, 1)] == [4 * 24 * 4, 4 * 8 * 4] and ls.layer_block_bytes == 4 * 32 * 4
+    assert ls.span_bytes == src.numel() * 4
+    assert ls.block_address(2, 0, 5) == src[2][0][5].data_ptr() and ls.block_address(2, 1, 5) == src[2][1][5].data_ptr()
+    writes = plan_block_writes(ls, ld, [1, 2, 4], [7, 8, 0], last_block_tokens=3)
+    assert [w[2] for w in writes] == [2 * 384, 384 - 96, 2 * 128, 128 - 32] * 3     # (layer, plane, run)
+    a, b = fake_pair
+    a.register(ls.base_address, ls.span_bytes)
+    b.register(ld.base_address, ld.span_bytes)
+    KVSender(a, ls).send_blocks(b.endpoint, ld, [1, 2, 4], [7, 8, 0])
+    for plane_src, plane_dst in ((src.nope, dst.nope), (src.rope, dst.rope)):
+        want = torch.zeros_like(plane_dst)
+        want[:, [7, 8, 0]] = plane_src[:, [1, 2, 4]]
+        assert torch.equal(plane_dst, want)
+    one_plane = KVLayout.of_tensor(torch.zeros(3, 1, 9, 4, 1, 32))
+    assert layout_key(ls).endswith(":latent_split:R8") and layout_key(ls) != layout_key(one_plane)
+    with pytest.raises(ValueError, match="kind 'latent_split' != 'latent'.*head_dim 24 != 32.*rope_dim 8 != 0"):
+        ls.check_compatible(one_plane)
+    assert KVLayout.from_proto(ls.to_proto()) == ls
+    with pytest.raises(ValueError, match="rope_dim must be > 0 for kind 'latent_split' and 0 otherwise, got 0"):
+        replace(ls, rope_dim=0)
+    with pytest.raises(ValueError, match="must not overlap"):
+        replace(ls, strides=(ls.strides[0], 100, *ls.strides[2:]))
+    with pytest.raises(ValueError, match="copied whole, never by head slices"):
+        plan_head_slice_writes(ls, replace(ld, num_kv_heads=1), 1, [1], [1])
+
+
+def test_a_slot_of_the_store_holds_a_split_latent_block_in_layer_plane_order():
+    lay = KVLayout.of_cache(SplitLatentCache(2, 3, 4, 24, 8, torch.float32, torch.device("cpu")))
+    memory = SlotMemory(lay, 5, FakeTransfer())
+    data = bytes(range(256)) * (memory.bytes_per_slot // 256) + bytes(memory.bytes_per_slot % 256)
+    memory.write_slot(3, data)
+    assert memory.read_slot(3) == data and memory.read_slot(2) == bytes(memory.bytes_per_slot)
+    assert memory.layout.block_address(1, 1, 3) - memory.layout.base_address == \
+        memory.planes[1][1, 3].data_ptr() - memory.pool.data_ptr()
+    memory.transfer.close()
 
 
 def test_layout_proto_round_trip():

@@ -44,7 +44,11 @@ def test_a_plain_node_and_a_tp_node_with_one_entry_per_rank_pass():
     ([rank(1), rank(2, scales_id="c8:0123456789abcdef")], r"node.kv_ranks\[1\].layout must match node.kv_layout"),
     ([rank(1), rank(2, kind="latent", num_kv_heads=1)], r"node.kv_ranks\[1\].layout must match node.kv_layout in kind"),
     ([rank(1), rank(2, kind="latent")], r"node.kv_ranks\[1\].layout.num_kv_heads must be 1 for kind latent"),
-    ([rank(1, kind="mla"), rank(2, kind="mla")], r"node.kv_ranks\[0\].layout.kind must be one of kv, latent"),
+    ([rank(1), rank(2, kind="latent_split", num_kv_heads=1)],
+     r"node.kv_ranks\[1\].layout.rope_dim must be > 0 for kind latent_split and 0 otherwise"),
+    ([rank(1), rank(2, rope_dim=64)], r"node.kv_ranks\[1\].layout.rope_dim must be > 0 for kind latent_split"),
+    ([rank(1, kind="mla"), rank(2, kind="mla")],
+     r"node.kv_ranks\[0\].layout.kind must be one of kv, latent, latent_split"),
 ])
 def test_rank_entries_must_agree_with_what_rank_0_published(ranks, error):
     msg = info(tensor_parallel_size=2, kv_ranks=ranks, transfer_endpoint="127.0.0.1:1", kv_layout=LAYOUT)

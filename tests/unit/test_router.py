@@ -200,13 +200,19 @@ def tp_member(node_id: str, role: str, tp: int, heads_per_rank: int, kind: str =
     return m
 
 
-@pytest.mark.parametrize("prefill_kind,served", [("latent", True), ("kv", False), ("", False)])
-def test_a_latent_prefill_node_of_lower_tp_pushes_into_a_latent_decode_node(prefill_kind, served):
+@pytest.mark.parametrize("prefill_kind,decode_kind,served", [
+    ("latent", "latent", True), ("latent_split", "latent_split", True), ("kv", "latent", False),
+    ("", "latent", False), ("latent_split", "latent", False), ("latent", "kv", False)])
+def test_a_latent_prefill_node_of_lower_tp_pushes_into_a_latent_decode_node(prefill_kind, decode_kind, served):
     """MLA nodes hold the same latent on every rank: prefill TP 1 into decode TP 2 is served
-    when both caches are latent, refused as for GQA when either is not."""
+    when both caches are latent of one kind (one plane, or split), refused as for GQA
+    otherwise."""
     router = Router()
-    nodes = [tp_member("p0", "prefill", 1, 1, prefill_kind), tp_member("d0", "decode", 2, 1, "latent")]
+    nodes = [tp_member("p0", "prefill", 1, 1, prefill_kind), tp_member("d0", "decode", 2, 1, decode_kind)]
     assert ids(router.route(nodes, req(), "least_load")) == ("d0", "p0" if served else None)
+    same_tp = [tp_member("p0", "prefill", 1, 1, prefill_kind), tp_member("d0", "decode", 1, 1, decode_kind)]
+    same_kind = (prefill_kind or "kv") == decode_kind
+    assert ids(router.route(same_tp, req(), "least_load")) == ("d0", "p0" if same_kind else None)
 
 
 @pytest.mark.parametrize("p,heads_p,d,heads_d,served", [

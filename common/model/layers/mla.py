@@ -13,8 +13,10 @@
          k_nope and v, k = [k_nope | k_pe], causal attention (bottom-right)
       -> o_proj (row-parallel: all-reduce, then its bias)
 
-The latent cache is [num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim] a layer
-(the model's KV cache has one plane, ModelConfig.kv_planes). Under tensor parallelism the
+The latent cache is one plane [num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim] a
+layer, or, where the backend wants them apart (Backend.latent_planes, the NPU's), two: c_kv
+[.., kv_lora_rank] and k_pe [.., qk_rope_head_dim] (common/runner/split_latent_cache.py).
+The backend's MLA methods take the layer's planes as a tuple either way. Under tensor parallelism the
 query heads (q_b_proj / q_proj, kv_b_proj's rows, o_proj's columns) are split; the
 down-projections, their norms and so the latent cache are whole on every rank.
 
@@ -109,11 +111,11 @@ class MLAAttention(nn.Module):
         self.w_uk = w[:, :self.nope].contiguous()
         self.w_uv = w[:, self.nope:].transpose(1, 2).contiguous()
 
-    def forward(self, x: torch.Tensor, batch: StepBatch, cache: torch.Tensor, backend: Backend,
+    def forward(self, x: torch.Tensor, batch: StepBatch, cache, backend: Backend,
                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """cache: this layer's [1, num_blocks, block_size, 1, kv_lora_rank + rope] (its one
-        latent plane)."""
-        n, h, cache = x.shape[0], self.num_heads, cache[0]
+        latent plane) or (c_kv plane, k_pe plane); tuple() makes either the planes' tuple."""
+        n, h, planes = x.shape[0], self.num_heads, tuple(cache)
         down = self.down(x, backend)
         if self.q_a_norm is not None:
             q_a, kv_a = down.split([self.q_lora, self.rank + self.rope], dim=-1)
@@ -126,14 +128,14 @@ class MLAAttention(nn.Module):
             c_kv, k_pe = kv_a.split([self.rank, self.rope], dim=-1)
             kv_a = torch.cat([c_kv, self._deinterleave(k_pe)], dim=-1)
         q_pe, c_kv, k_pe = backend.mla_latent(batch.positions, self._deinterleave(q_pe), kv_a, self.kv_a_norm.weight,
-                                              self.kv_a_norm.eps, cos, sin, cache, batch.slot_mapping)
+                                              self.kv_a_norm.eps, cos, sin, planes, batch.slot_mapping)
         nd = batch.num_decode_tokens
         parts = []
         if batch.decode is not None:
-            parts.append(self._decode(q_nope[:nd], q_pe[:nd], cache, batch, backend))
+            parts.append(self._decode(q_nope[:nd], q_pe[:nd], planes, batch, backend))
         if batch.prefill is not None:
             latent = torch.cat([c_kv[nd:], k_pe[nd:]], dim=-1)
-            parts.append(self._prefill(q_nope[nd:], q_pe[nd:], latent, cache, batch.prefill, backend))
+            parts.append(self._prefill(q_nope[nd:], q_pe[nd:], latent, planes, batch.prefill, backend))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o(out.reshape(n, h * self.v_dim), backend)
 
@@ -144,16 +146,16 @@ class MLAAttention(nn.Module):
             return x.contiguous()
         return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
 
-    def _decode(self, q_nope, q_pe, cache, batch: StepBatch, backend: Backend) -> torch.Tensor:
+    def _decode(self, q_nope, q_pe, planes, batch: StepBatch, backend: Backend) -> torch.Tensor:
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)      # [n, heads, rank]
         query = torch.cat([q_latent, q_pe], dim=-1)
-        out = backend.mla_decode(query, cache, batch.decode, self.scale, self.rank)    # [n, heads, rank]
+        out = backend.mla_decode(query, planes, batch.decode, self.scale, self.rank)   # [n, heads, rank]
         return torch.bmm(out.transpose(0, 1), self.w_uv).transpose(0, 1)            # [n, heads, v_dim]
 
-    def _prefill(self, q_nope, q_pe, latent, cache, meta: PrefillMetadata, backend: Backend) -> torch.Tensor:
+    def _prefill(self, q_nope, q_pe, latent, planes, meta: PrefillMetadata, backend: Backend) -> torch.Tensor:
         """Per sequence: its context's latents (the chunk's own when there is no cached
-        prefix, else read back from the cache) expanded into per-head K and V."""
-        block_size = cache.shape[1]
+        prefix, else read back from the cache's planes) expanded into per-head K and V."""
+        block_size = planes[0].shape[1]
         query = torch.cat([q_nope, q_pe], dim=-1)
         out = query.new_empty(query.shape[0], self.num_heads, self.v_dim)
         start = 0
@@ -165,7 +167,7 @@ class MLAAttention(nn.Module):
                 context, mask = latent[start:end], None
             else:
                 blocks = meta.block_tables[i, :-(-seq_len // block_size)]
-                context = cache.index_select(0, blocks).view(-1, cache.shape[-1])[:seq_len]
+                context = torch.cat([p.index_select(0, blocks).view(-1, p.shape[-1]) for p in planes], dim=-1)[:seq_len]
                 mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=query.device).tril(seq_len - q_len)
             kv = self.kv_b(context[:, :self.rank].contiguous(), backend)
             kv = kv.view(seq_len, self.num_heads, self.nope + self.v_dim)

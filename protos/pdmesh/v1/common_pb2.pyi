@@ -89,7 +89,7 @@ class ExpertTokens(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[_Union[LayerExpertTokens, _Mapping]]] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("dtype", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "base_address", "strides", "scales_id", "kind")
+    __slots__ = ("dtype", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "base_address", "strides", "scales_id", "kind", "rope_dim")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class KVLayout(_message.Message):
     STRIDES_FIELD_NUMBER: _ClassVar[int]
     SCALES_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    ROPE_DIM_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     num_layers: int
     num_blocks: int
@@ -110,7 +111,8 @@ class KVLayout(_message.Message):
     strides: _containers.RepeatedScalarFieldContainer[int]
     scales_id: str
     kind: str
-    def __init__(self, dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., base_address: _Optional[int] = ..., strides: _Optional[_Iterable[int]] = ..., scales_id: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
+    rope_dim: int
+    def __init__(self, dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., base_address: _Optional[int] = ..., strides: _Optional[_Iterable[int]] = ..., scales_id: _Optional[str] = ..., kind: _Optional[str] = ..., rope_dim: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
     __slots__ = ("node_id", "role", "address", "model_id", "transfer_backend", "transfer_endpoint", "kv_layout", "load", "max_model_len", "transfer_listen_addresses", "tensor_parallel_size", "kv_ranks")
