@@ -13,10 +13,13 @@ busy host. `--scattered` adds a push into shuffled destination blocks: one 16 Ki
 per (layer, K/V, block), the worst case. CPU time per push (sender process, receiver
 process) is reported too: it moves less than wall time when other work shares the cores.
 
-`--tp` instead pushes the same prompt's KV across tensor-parallel sizes (bench/transfer_tp.py).
+`--tp` instead pushes the same prompt's KV across tensor-parallel sizes (bench/transfer_tp.py);
+`--latent` pushes an MLA latent cache from two prefill ranks into two decode ranks, each
+decode rank's copy from its own prefill rank or both from one (bench/transfer_latent.py).
 
     python bench/transfer.py [--repeats 9] [--scattered] [--out bench/results/transfer.json]
     python bench/transfer.py --tp [--repeats 9] [--out bench/results/transfer_tp.json]
+    python bench/transfer.py --latent [--repeats 9] [--out bench/results/transfer_latent.json]
 """
 from __future__ import annotations
 
@@ -64,10 +67,16 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def serve(backend: str, num_blocks: int, piece: int, num_kv_heads: int) -> None:
+def latent_shape(num_blocks: int, width: int) -> tuple[int, ...]:
+    """MLA's one-plane latent cache of LAYOUT's layers and block size (rows `width` wide)."""
+    return (LAYOUT["num_layers"], 1, num_blocks, LAYOUT["block_size"], 1, width)
+
+
+def serve(backend: str, num_blocks: int, piece: int, num_kv_heads: int, latent_width: int = 0) -> None:
     """Receiver process: prints one JSON line, then answers on stdin `sum` (prints the
-    checksum), `zero` (zeroes the cache, prints "ok") and anything else (exits)."""
-    kv = torch.zeros(kv_shape(num_blocks, num_kv_heads))
+    checksum), `zero` (zeroes the cache, prints "ok") and anything else (exits).
+    latent_width > 0: an MLA latent cache (latent_shape) instead of K/V heads."""
+    kv = torch.zeros(latent_shape(num_blocks, latent_width) if latent_width else kv_shape(num_blocks, num_kv_heads))
     if backend == "tcp":
         listener = socket.create_server(("127.0.0.1", 0))
         print(json.dumps({"port": listener.getsockname()[1]}), flush=True)
@@ -99,10 +108,10 @@ def serve(backend: str, num_blocks: int, piece: int, num_kv_heads: int) -> None:
 
 class Receiver:
     def __init__(self, backend: str, num_blocks: int, env: dict[str, str], piece: int = PIECE,
-                 num_kv_heads: int = LAYOUT["num_kv_heads"]):
+                 num_kv_heads: int = LAYOUT["num_kv_heads"], latent_width: int = 0):
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--serve", backend, "--num-blocks", str(num_blocks),
-             "--piece", str(piece), "--heads", str(num_kv_heads)],
+             "--piece", str(piece), "--heads", str(num_kv_heads), "--latent-width", str(latent_width)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             env=env)
         self.info = json.loads(self.proc.stdout.readline())
@@ -182,21 +191,31 @@ def main() -> None:
                     help="also push into shuffled destination blocks (one write per block)")
     ap.add_argument("--tp", action="store_true",
                     help="push across tensor-parallel sizes instead (mooncake; module docstring)")
-    ap.add_argument("--out", help="default bench/results/transfer.json, with --tp transfer_tp.json")
+    ap.add_argument("--latent", action="store_true",
+                    help="MLA's latent push from two prefill ranks into two decode ranks: spread or one writer "
+                         "(mooncake; bench/transfer_latent.py)")
+    ap.add_argument("--out", help="default bench/results/transfer.json, with --tp transfer_tp.json, "
+                                  "with --latent transfer_latent.json")
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--num-blocks", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--piece", type=int, default=PIECE, help=argparse.SUPPRESS)
     ap.add_argument("--heads", type=int, default=LAYOUT["num_kv_heads"], help=argparse.SUPPRESS)
+    ap.add_argument("--latent-width", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
-        serve(args.serve, args.num_blocks, args.piece, args.heads)
+        serve(args.serve, args.num_blocks, args.piece, args.heads, args.latent_width)
         return
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    args.out = args.out or str(ROOT / "bench/results" / ("transfer_tp.json" if args.tp else "transfer.json"))
+    name = "transfer_tp" if args.tp else "transfer_latent" if args.latent else "transfer"
+    args.out = args.out or str(ROOT / "bench/results" / f"{name}.json")
     if args.tp:
         from transfer_tp import tp_main
         tp_main(args, env)
+        return
+    if args.latent:
+        from transfer_latent import latent_main
+        latent_main(args, env)
         return
     num_blocks = NUM_TOKENS // LAYOUT["block_size"]
     torch.manual_seed(0)

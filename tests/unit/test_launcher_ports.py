@@ -40,22 +40,23 @@ def test_launcher_refuses_a_taken_fixed_port(tmp_path):
     assert not grpc_util.port_in_use("127.0.0.1", port)
 
 
-@pytest.mark.parametrize("service,call", [("meta-server", 1), ("n0", 2), ("gateway", 3)])
-def test_a_planned_port_taken_before_the_service_binds_it_is_replaced(tmp_path, tiny_model, monkeypatch, service,
-                                                                     call):
+def test_planned_ports_taken_before_the_services_bind_them_are_replaced(tmp_path, tiny_model, monkeypatch):
     """free_port's answer is free only until another process binds it (the ranks' gloo and
-    the transfer engines bind ephemeral ports): the service exits with the bind status and
-    the launcher starts it again on another port; the mesh comes up."""
+    the transfer engines bind ephemeral ports): each service whose planned port was taken
+    (the meta-server's, the node's, the gateway's: all three in one start) exits with the
+    bind status and the launcher starts it again on another port; the mesh comes up."""
     from services.cli import launcher
     real, calls = launcher.free_port, []
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
+    sockets = [socket.socket() for _ in range(3)]
+    try:
+        for taken in sockets:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+        ports = [taken.getsockname()[1] for taken in sockets]
 
-        def planned(host):          # the meta-server's port, the node's, the gateway's: one taken
+        def planned(host):          # the meta-server's port, the node's, the gateway's: each taken
             calls.append(host)
-            return port if len(calls) == call else real(host)
+            return ports[len(calls) - 1] if len(calls) <= 3 else real(host)
         monkeypatch.setattr(launcher, "free_port", planned)
         raw = {"model": str(tiny_model("llama")), "engine": {"num_blocks": 32},
                "meta_server": {"port": 0, "ttl_seconds": 2.0}, "gateway": {"port": 0},
@@ -64,10 +65,13 @@ def test_a_planned_port_taken_before_the_service_binds_it_is_replaced(tmp_path, 
         (tmp_path / "mesh.yaml").write_text(__import__("yaml").safe_dump(raw))
         try:
             mesh.start(timeout_s=120)
-            svc = mesh.services[service]
-            assert svc.port != port and grpc_util.port_in_use("127.0.0.1", svc.port)
-            assert f"cannot bind 127.0.0.1:{port} (address in use?)" in svc.log_path.read_text()
-            if service == "meta-server":
-                assert mesh.meta_address == svc.address
+            for service, port in zip(("meta-server", "n0", "gateway"), ports):
+                svc = mesh.services[service]
+                assert svc.port != port and grpc_util.port_in_use("127.0.0.1", svc.port)
+                assert f"cannot bind 127.0.0.1:{port} (address in use?)" in svc.log_path.read_text(), service
+            assert mesh.meta_address == mesh.services["meta-server"].address
         finally:
             mesh.stop()
+    finally:
+        for taken in sockets:
+            taken.close()
