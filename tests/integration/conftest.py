@@ -36,10 +36,11 @@ def launch(root, raw: dict, env: dict[str, str] | None = None) -> MeshProcesses:
     return mesh
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def start_mesh(tmp_path_factory):
     """start_mesh(model_dir, nodes=[(role, id)], transfer=..., **meta) -> MeshProcesses;
-    every mesh is stopped at the end of the session (or by the test)."""
+    every mesh is stopped at the end of the test module that started it (or by the test):
+    the rest of the suite does not share the two cores and the memory with idle meshes."""
     started: list[MeshProcesses] = []
 
     def start(model_dir, nodes=(("prefill", "prefill-0"), ("decode", "decode-0")),

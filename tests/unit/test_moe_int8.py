@@ -46,8 +46,12 @@ def quantized(float_model):
             "msmodelslim": write_msmodelslim(float_model, float_model.parent / "msmodelslim", "W8A8_DYNAMIC", [])}
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("fmt", list(FORMATS))
+# each format at one TP 2 layout (a rank's scales and, msModelSlim's, offsets cut with its
+# columns; whole experts a rank): the layouts' slicing is format-blind past that
+SKIPPED_PAIRS = {("compressed-tensors", "cpu-tp2-columns"), ("msmodelslim", "cpu-ep2")}
+
+
+@pytest.mark.parametrize("fmt,case", [(f, c) for f in FORMATS for c in CASES if (f, c) not in SKIPPED_PAIRS])
 def test_int8_experts_compute_the_scheme(quantized, float_model, fmt, case, request):
     if case == "npu":
         request.getfixturevalue("npu_emulator")
