@@ -137,11 +137,17 @@ def test_half_precision_experts_stay_close_to_the_float_reference(npu_emulator):
 
 
 # ---- the models ---------------------------------------------------------------------------
-@pytest.mark.parametrize("family,layout", [("qwen3_moe", "fused"), ("mixtral", "per-expert")])
-def test_moe_model_through_the_npu_emulator_equals_transformers(saved, npu_op_calls, family, layout):
+@pytest.mark.parametrize("family,layout,tp", [("qwen3_moe", "fused", 1), ("mixtral", "per-expert", 1),
+                                               ("qwen3_moe", "per-expert", 2)])
+def test_moe_model_through_the_npu_emulator_equals_transformers(saved, npu_op_calls, family, layout, tp):
+    """TP 2: expert parallelism, both ranks on the emulator (rank 1's worker installs it as
+    rank 0 has), 4 experts a rank; the op counts are rank 0's."""
     folder, theirs = saved(family, layout)
     ref, want = greedy_reference(theirs)
-    with LLM(str(folder), kernel_backend="npu", block_size=128, num_blocks=16) as llm:
+    with LLM(str(folder), kernel_backend="npu", block_size=128, num_blocks=16, tensor_parallel_size=tp,
+             enable_expert_parallel=tp > 1) as llm:
+        if tp > 1:
+            assert [layer.mlp.num_local for layer in llm.engine.model.layers if hasattr(layer.mlp, "num_local")][0] == 4
         torch.testing.assert_close(llm.prompt_logprobs_full(IDS).double(), ref, atol=1e-4, rtol=0)
         out = llm.generate([{"prompt_token_ids": IDS}],
                            SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].outputs[0]
