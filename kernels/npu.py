@@ -107,6 +107,7 @@ class NpuBackend(NpuMLA, Backend):
         self._npu = _import_torch_npu()
         self._scatter = getattr(self._npu, "npu_scatter_pa_kv_cache", None)
         self._scale_kw = scale_keyword(self._npu.npu_fused_infer_attention_score)
+        self._fia_mla = {"query_rope", "key_rope"} <= _op_keywords(self._npu.npu_fused_infer_attention_score)
         self._masks: dict[torch.device, torch.Tensor] = {}
         self._moe_missing = [op for op in MOE_OPS if not hasattr(self._npu, op)]
         self._moe_told = False

@@ -80,16 +80,26 @@ def fia_mla_decode(npu, scale_keyword: str, query: torch.Tensor, nope_cache: tor
 
 class NpuMLA:
     """NpuBackend's MLA methods (a mixin before Backend: its torch paths are Backend's).
-    Needs the backend's _npu, _valid_rows, _mla_missing and _told."""
+    Needs the backend's _npu, _valid_rows, _mla_missing, _fia_mla (FIA takes query_rope /
+    key_rope) and _told."""
 
     def _say_once(self, key: str, message: str) -> None:
         if key not in self._told:
             self._told.add(key)
             log.warning("npu kernel backend: %s", message)
 
+    def _fia_mla_refusal(self, rank: int, rope: int) -> str | None:
+        """Why FIA's MLA mode cannot decode this model's latent, or None."""
+        if not self._fia_mla:
+            return (f"torch_npu {getattr(self._npu, '__version__', '?')}'s npu_fused_infer_attention_score has no "
+                    "MLA mode (query_rope / key_rope)")
+        if (rank, rope) != (RANK, ROPE):
+            return f"FIA's MLA mode takes kv_lora_rank {RANK} and qk_rope_head_dim {ROPE} only"
+        return None
+
     def latent_planes(self, kv_lora_rank: int, rope_dim: int) -> int:
-        """Two (c_kv, k_pe) for the sizes FIA's MLA mode takes; one otherwise."""
-        return 2 if write_refusal(kv_lora_rank, rope_dim) is None else 1
+        """Two (c_kv, k_pe) where FIA's MLA mode decodes them; one otherwise."""
+        return 2 if self._fia_mla_refusal(kv_lora_rank, rope_dim) is None else 1
 
     def mla_latent(self, positions, q_pe, kv_a, norm_weight, eps: float, cos, sin, planes, slot_mapping):
         """q_pe through npu_rotary_mul; c_kv's norm, k_pe's rope and the cache write through one
@@ -120,8 +130,9 @@ class NpuMLA:
             self._say_once("mla_heads", f"FIA's MLA mode takes {list(FIA_MLA_QUERY_HEADS)} query heads, this rank "
                                         f"has {heads}: MLA's absorbed decode runs torch's")
             return split_latent_decode(query, planes[0], planes[1], meta, scale)
-        self._say_once("mla_one_plane", f"MLA's absorbed decode runs torch's paged decode: FIA's MLA mode takes "
-                                        f"kv_lora_rank {RANK} and qk_rope_head_dim {ROPE} only (a one-plane latent cache)")
+        width = query.shape[-1]
+        why = self._fia_mla_refusal(kv_lora_rank, width - kv_lora_rank) or "a one-plane latent cache"
+        self._say_once("mla_one_plane", f"MLA's absorbed decode runs torch's paged decode: {why}")
         return RefBackend.decode(self, query, planes[0], planes[0], meta, scale)[..., :kv_lora_rank]
 
 

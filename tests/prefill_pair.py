@@ -29,22 +29,27 @@ FAST = TimeoutConfig(transfer_s=0.3, cancel_ack_s=1.0, prefill_s=10.0, request_s
                      kv_store_pin_lease_s=5.0, kv_store_reserve_lease_s=5.0)
 
 
-def _engine(model, num_blocks: int) -> LLMEngine:
-    return LLMEngine(EngineConfig(str(model), num_blocks=num_blocks, max_model_len=min(256, 16 * num_blocks)))
+def _engine(model, num_blocks: int, **engine_args) -> LLMEngine:
+    block_size = engine_args.get("block_size", 16)
+    return LLMEngine(EngineConfig(str(model), num_blocks=num_blocks,
+                                  max_model_len=min(max(256, block_size), block_size * num_blocks), **engine_args))
 
 
 def _registered(engine: LLMEngine) -> tuple[FakeTransfer, KVLayout]:
     transfer = FakeTransfer()
     kv = engine.kv_cache
     transfer.register(kv.data_ptr(), kv.numel() * kv.element_size())
-    return transfer, KVLayout.of_tensor(kv, engine.kv_scales_id)
+    return transfer, KVLayout.of_cache(kv, engine.kv_scales_id)
 
 
 class PrefillPair:
+    """engine_args: for both engines' EngineConfig (e.g. kernel_backend, block_size)."""
+
     def __init__(self, model, decode_blocks: int = 64, prefill_blocks: int = 64, max_queue: int = 256,
-                 timeouts: TimeoutConfig = FAST, kv_push: str = "layerwise"):
+                 timeouts: TimeoutConfig = FAST, kv_push: str = "layerwise", **engine_args):
         self.timeouts = timeouts
-        self.decode_engine, self.prefill_engine = _engine(model, decode_blocks), _engine(model, prefill_blocks)
+        self.decode_engine = _engine(model, decode_blocks, **engine_args)
+        self.prefill_engine = _engine(model, prefill_blocks, **engine_args)
         self.decode_transfer, decode_layout = _registered(self.decode_engine)
         self.prefill_transfer, prefill_layout = _registered(self.prefill_engine)
         mesh = SimpleNamespace(timeouts=timeouts, transfer=TransferConfig(backend="fake", kv_push=kv_push))

@@ -70,7 +70,8 @@ class ModelConfig:
 
     @property
     def kv_planes(self) -> int:
-        """The KV cache's dim 1: K and V (2), or MLA's one latent (1)."""
+        """The KV cache's dim 1: K and V (2), or MLA's one latent (1; a backend that wants
+        the latent in two planes gets a SplitLatentCache instead: common/runner/model_runner.py)."""
         return 1 if self.uses_mla else 2
 
     @property

@@ -135,7 +135,8 @@ class TPExecutor:
                               max_model_len=max_model_len, cpu_cores=cores, num_threads=threads,
                               parent_pid=os.getpid(), death_signal=from_main,
                               transfer_factory=transfer_factory,
-                              torch_npu_emulator=getattr(sys.modules.get("torch_npu"), "_pdmesh_emulator", False))
+                              torch_npu_emulator=getattr(sys.modules.get("torch_npu"), "_pdmesh_install_options",
+                                                         None))
             ours, theirs = ctx.Pipe() if transfer_factory is not None else (None, None)
             proc = ctx.Process(target=worker_main, args=(spec, theirs), name=f"pdmesh-tp-rank{rank}", daemon=True)
             proc.start()

@@ -63,8 +63,8 @@ class WorkerSpec:
     # function); None: the rank neither pushes nor receives KV
     transfer_factory: Callable[[], object] | None = None
     # rank 0 runs on the torch_npu emulator (kernels/testing/fake_torch_npu.py, a machine
-    # without an NPU): this rank installs it too, before loading
-    torch_npu_emulator: bool = False
+    # without an NPU): its install options; this rank installs it alike, before loading
+    torch_npu_emulator: dict | None = None
 
 
 def _watch_parent(spec: WorkerSpec) -> None:
@@ -101,9 +101,9 @@ def main(spec: WorkerSpec, writes_conn=None) -> None:
     from common.parallel.group import TPGroup, make_store
 
     cpu_budget.apply(spec.cpu_cores, spec.num_threads)
-    if spec.torch_npu_emulator:
+    if spec.torch_npu_emulator is not None:
         from kernels.testing import fake_torch_npu
-        fake_torch_npu.install()
+        fake_torch_npu.install(**spec.torch_npu_emulator)
     size = spec.config.tensor_parallel_size
     store = make_store(spec.rank, size, spec.store_port)
     key = f"{spec.group_name}/"

@@ -30,6 +30,8 @@ class SplitLatentCache:
         self.rope = self.buffer[:, nope:].view(num_layers, num_blocks, block_size, 1, rope_dim)
 
     def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(layer, int):      # not a tensor: kv_cache[:, :, ids] means nothing here
+            raise TypeError(f"a split latent cache is indexed by layer only, got {layer!r}")
         return self.nope[layer], self.rope[layer]
 
     def __len__(self) -> int:

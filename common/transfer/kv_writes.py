@@ -2,7 +2,8 @@
 
 Address arithmetic (strides in bytes, from KVLayout):
 
-    kv_cache [num_layers, planes, num_blocks, block_size, num_kv_heads, head_dim] (2 planes, K and V; MLA's 1)
+    kv_cache [num_layers, planes, num_blocks, block_size, num_kv_heads, head_dim] (2 planes, K and V;
+             MLA's 1, or a split latent's 2 of their own widths: KVLayout.plane_width)
 
     base_address
     |

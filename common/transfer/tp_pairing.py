@@ -8,7 +8,7 @@ node at TP p pushes into a decode node at TP d when
     p == k * d (k > 1) and each prefill rank holds distinct heads, k of them making one
       decode rank's (prefill rank i writes its heads into decode rank i // k, at head
       offset (i % k) * h_p): what vLLM-Ascend serves.
-An MLA model's latent cache (KVLayout kind "latent") has no heads to split: every rank
+An MLA model's latent cache (KVLayout kind "latent" or "latent_split") has no heads to split: every rank
 of a node holds the same cache, so any p pushes into any d: decode rank j gets its copy,
 whole blocks, from prefill rank j % p (the copies spread over the prefill ranks; a prefill
 rank past d writes nothing).

@@ -333,6 +333,9 @@ def install(*, without: tuple[str, ...] = (), scale_keyword: str = "scale",
     mod.__spec__ = importlib.machinery.ModuleSpec("torch_npu", loader=None)
     mod.__version__ = "0.0.0+pdmesh.emulator"
     mod._pdmesh_emulator = True
+    # what a tensor-parallel worker process installs too (common/parallel/worker.py)
+    mod._pdmesh_install_options = {"without": tuple(without), "scale_keyword": scale_keyword,
+                                   "strict_head_dim": strict_head_dim}
     mod.npu = types.SimpleNamespace(is_available=lambda: False, device_count=lambda: 0)
     from kernels.testing.fake_npu_kv_write import _npu_reshape_and_cache, npu_scatter_pa_kv_cache
     from kernels.testing.fake_npu_mla import OPS as MLA_OPS

@@ -42,7 +42,7 @@ def node_info_error(node) -> str:
             return f"{where}.kind must be one of {', '.join(PLANES)}"
         if layout.kind in LATENT_KINDS and layout.num_kv_heads != 1:
             return f"{where}.num_kv_heads must be 1 for kind {layout.kind}"
-        if (layout.kind == "latent_split") != (layout.rope_dim > 0):
+        if (layout.kind == "latent_split") != (layout.rope_dim > 0) or layout.rope_dim < 0:
             return f"{where}.rope_dim must be > 0 for kind latent_split and 0 otherwise"
     if not 0 <= node.tensor_parallel_size <= MAX_TENSOR_PARALLEL:
         return f"node.tensor_parallel_size must be in [0, {MAX_TENSOR_PARALLEL}] (0 or 1: one rank)"

@@ -126,7 +126,7 @@ class Router:
         prefills = self._tp_compatible(decode, every_prefill)
         if every_prefill and not prefills and decode.role == "decode" \
                 and request.num_prompt_tokens >= self.local_prefill_max_tokens:
-            self.num_tp_refused += 1   # prefilled locally only because no prefill node's TP fits
+            self.num_tp_refused += 1   # prefilled locally only because no prefill node's TP (or latent kind) fits
         ranked: list[Member] = []
         if decode.role == "decode" and prefills and not self._prefill_locally(request, decode, prefills):
             ranked = self._rank("prefill", prefills, policy, hashes, request.store_hit_blocks)

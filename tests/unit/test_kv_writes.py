@@ -103,6 +103,11 @@ def test_split_latent_layout_addresses_each_plane_and_pushes_exactly_its_blocks(
         want = torch.zeros_like(plane_dst)
         want[:, [7, 8, 0]] = plane_src[:, [1, 2, 4]]
         assert torch.equal(plane_dst, want)
+    dst.buffer.fill_(7.0)           # a partial last block: its 4th row stays as it was, in both planes
+    KVSender(a, ls).send_blocks(b.endpoint, ld, [1, 2, 4], [7, 8, 0], last_block_tokens=3)
+    for plane_src, plane_dst in ((src.nope, dst.nope), (src.rope, dst.rope)):
+        assert torch.equal(plane_dst[:, [7, 8]], plane_src[:, [1, 2]])
+        assert torch.equal(plane_dst[:, 0, :3], plane_src[:, 4, :3]) and bool((plane_dst[:, 0, 3] == 7.0).all())
     one_plane = KVLayout.of_tensor(torch.zeros(3, 1, 9, 4, 1, 32))
     assert layout_key(ls).endswith(":latent_split:R8") and layout_key(ls) != layout_key(one_plane)
     with pytest.raises(ValueError, match="kind 'latent_split' != 'latent'.*head_dim 24 != 32.*rope_dim 8 != 0"):

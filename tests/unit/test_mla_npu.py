@@ -193,3 +193,59 @@ def test_deepseek_v3_at_tensor_parallel_2_with_expert_parallelism_through_the_em
         assert_no_blocks_in_use(llm.engine)
     assert npu_op_calls["npu_fused_infer_attention_score"] == 3 * (len(want) - 1)      # rank 0's
     assert npu_op_calls["npu_grouped_matmul"] > 0
+
+
+def test_a_fia_without_its_mla_mode_gets_a_one_plane_cache_and_torch_s_decode(backend, monkeypatch, caplog):
+    monkeypatch.setattr(backend, "_fia_mla", False)
+    assert backend.latent_planes(512, 64) == 1
+    query, plane, meta = _decode_case(8)
+    with caplog.at_level("WARNING", logger="pdmesh.kernels"):
+        got = backend.mla_decode(query, (plane,), meta, 0.04, 512)
+    assert torch.equal(got, RefBackend().mla_decode(query, (plane,), meta, 0.04, 512))
+    assert caplog.text.count("npu_fused_infer_attention_score has no MLA mode (query_rope / key_rope)") == 1
+
+
+def test_a_remote_prefill_pushes_both_planes_of_a_split_latent(saved_deepseek, backend, npu_op_calls):
+    """A prefill engine and a decode engine on the npu backend (split latent caches) over the
+    real PrefillServicer and RemotePrefill, the fake transfer between them: the decode's c_kv
+    and k_pe planes of the prompt's blocks equal the prefill's, the rows past the prompt in
+    its last block untouched, and the tokens equal the offline engine's."""
+    import asyncio
+    from tests.prefill_pair import PrefillPair
+    folder, _ = saved_deepseek("deepseek_v3", **SIZES)
+    prompt = [(11 * i) % 1000 + 3 for i in range(200)]          # 1 whole block + 72 rows of a second
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    with LLM(str(folder), kernel_backend="npu", block_size=BS, num_blocks=8) as llm:
+        offline = list(llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids)
+
+    async def scenario():
+        pair = await PrefillPair(folder, decode_blocks=8, prefill_blocks=8, kernel_backend="npu", block_size=BS).start()
+        try:
+            assert isinstance(pair.decode_engine.kv_cache, SplitLatentCache)
+            pushed: list = []
+            send = pair.prefill_node.sender.send_blocks
+
+            def recording(peer, layout, src, dst, *args, **kwargs):
+                pushed.append((list(src), list(dst), kwargs.get("last_block_tokens")))
+                return send(peer, layout, src, dst, *args, **kwargs)
+            pair.prefill_node.sender.send_blocks = recording
+            for cache in (pair.decode_engine.kv_cache, pair.prefill_engine.kv_cache):
+                cache.buffer.fill_(7.0)          # what no write leaves behind
+            remote = pair.remote("a", prompt, params)
+            tokens = [t async for out in pair.decode.generate("a", prompt, params, remote=remote)
+                      for t in out.new_token_ids]
+            return tokens, pushed, pair
+        finally:
+            await pair.close()
+
+    tokens, pushed, pair = asyncio.run(scenario())
+    assert tokens == offline
+    assert pushed and all(last == 200 - BS for _, _, last in pushed if last is not None)
+    src, dst = pushed[0][0], pushed[0][1]
+    mine, theirs = pair.prefill_engine.kv_cache, pair.decode_engine.kv_cache
+    for plane in ("nope", "rope"):
+        a, b = getattr(mine, plane), getattr(theirs, plane)
+        assert torch.equal(b[:, dst[0]], a[:, src[0]])                        # the whole first block
+        assert torch.equal(b[:, dst[1], :200 - BS], a[:, src[1], :200 - BS])   # the prompt's rows of the last
+        # past them the decode's own 4 tokens' rows (72..75), then nothing written
+        assert bool((b[:, dst[1], 200 - BS + 4:] == 7.0).all()) and not bool((b[:, dst[1], :200 - BS + 4] == 7.0).any())

@@ -47,6 +47,7 @@ def test_a_plain_node_and_a_tp_node_with_one_entry_per_rank_pass():
     ([rank(1), rank(2, kind="latent_split", num_kv_heads=1)],
      r"node.kv_ranks\[1\].layout.rope_dim must be > 0 for kind latent_split and 0 otherwise"),
     ([rank(1), rank(2, rope_dim=64)], r"node.kv_ranks\[1\].layout.rope_dim must be > 0 for kind latent_split"),
+    ([rank(1), rank(2, rope_dim=-1)], r"node.kv_ranks\[1\].layout.rope_dim must be > 0 for kind latent_split"),
     ([rank(1, kind="mla"), rank(2, kind="mla")],
      r"node.kv_ranks\[0\].layout.kind must be one of kv, latent, latent_split"),
 ])
