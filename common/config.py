@@ -225,6 +225,11 @@ class SecurityConfig:
                          PDMESH_ADMIN_TOKEN); without one every admin call is refused.
     tls_dir              TLS on every gRPC port, mTLS between services, with the files
                          `pdmesh certs init DIR` writes (PDMESH_TLS_DIR); "" = plaintext.
+    allow_plaintext      false: a service without TLS refuses to start when it would bind
+                         anything but a loopback address (0.0.0.0, ::, a LAN address, a host
+                         name), since anyone who reaches the port reads the secrets and the
+                         traffic off the wire (services/security/bind_policy.py); true: the
+                         network is the mesh's own. Loopback binds never need it.
 
     `pdmesh up` without any of them makes fresh ones per mesh under its log dir.
     """
@@ -232,6 +237,11 @@ class SecurityConfig:
     cluster_secret_file: str = ""
     admin_token_file: str = ""
     tls_dir: str = ""
+    allow_plaintext: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.allow_plaintext, bool):
+            raise ValueError(f"security.allow_plaintext must be true or false, got {self.allow_plaintext!r}")
 
 
 @dataclass(frozen=True)

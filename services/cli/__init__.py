@@ -21,6 +21,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "services.cli.admin",
     "services.cli.top",
     "services.cli.kv_store",
+    "services.cli.health",
     "services.cli.certs",
     "services.cli.secrets",
     "services.cli.bench",

@@ -148,7 +148,10 @@ class MeshProcesses:
                                                   self.log_dir / f"{node.node_id}.log",
                                                   metrics_port=node.metrics_port, port_planned=not node.port)
         gw_port = m.gateway.port or free_port(m.gateway.host)
-        self.services["gateway"] = Service("gateway", "gateway", m.gateway.host, gw_port, [],
+        # a wildcard bind is dialled on the loopback: an address that TLS certificates name
+        gw_host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "[::1]", "[::]": "[::1]"}.get(m.gateway.host,
+                                                                                               m.gateway.host)
+        self.services["gateway"] = Service("gateway", "gateway", gw_host, gw_port, [],
                                            self.log_dir / "gateway.log", metrics_port=m.gateway.metrics_port,
                                            http_port=m.gateway.http_port,
                                            http_scheme="https" if m.security.tls_dir or self.environ.get(

@@ -8,7 +8,9 @@ out free ports and a pod its own name.
 Credentials (services/security/credentials.py): the cluster secret (or TLS files), the
 admin token and the gateway's API keys come from the config's `security:` section and
 `gateway.api_keys_file`, or the environment; never from the command line. Without the
-mesh's identity the service does not start (exit code 2).
+mesh's identity the service does not start (exit code 2), nor without TLS on a host that
+is not loopback unless the config says `security.allow_plaintext: true` (exit code 2,
+before the model loads: services/security/bind_policy.py).
 """
 from __future__ import annotations
 
@@ -98,6 +100,25 @@ def _with_advertise_host(mesh, node_cfg, role: str, host: str):
     raise ValueError(f"--advertise-host is not served for {role} (it has no advertise_host)")
 
 
+def _check_bind_host(mesh, node_cfg, args, credentials) -> None:
+    """Refuse (PlaintextBindError, exit 2) before anything loads when the role's host is
+    not loopback and neither TLS nor security.allow_plaintext is on (bind_policy.py; the
+    bind itself checks again)."""
+    from services.security.bind_policy import check_bind
+    if node_cfg is not None:
+        name, host, port = node_cfg.node_id, node_cfg.host, node_cfg.port
+    elif args.role == "meta-server":
+        name, host, port = "meta-server", mesh.meta.host, mesh.meta.port
+    elif args.role == "gateway":
+        name, host, port = "gateway", mesh.gateway.host, mesh.gateway.port
+    elif mesh.kv_store is not None:
+        name, host, port = "kv-store", mesh.kv_store.host, mesh.kv_store.port
+    else:
+        return   # create_server says the kv_store section is missing
+    check_bind(host, port if args.port is None else args.port, credentials.tls is not None,
+               credentials.allow_plaintext, name)
+
+
 async def _serve(args) -> None:
     from common.config import load_mesh_config
     from common.metrics import close_metrics
@@ -116,6 +137,7 @@ async def _serve(args) -> None:
     credentials = load_credentials(mesh.security, name,
                                    mesh.gateway.api_keys_file if args.role == "gateway" else "")
     install(credentials)
+    _check_bind_host(mesh, node_cfg, args, credentials)
     if args.role == "meta-server":
         from services.meta_server.server import create_server
         meta = mesh.meta if args.port is None else dataclasses.replace(mesh.meta, port=args.port)

@@ -26,6 +26,8 @@ cluster_secret, admin_token, api_keys) and handed to the services by environment
 naming those files; one line says where. Where the running mesh and its client
 credentials are is recorded in ~/.pdmesh/mesh.json ($PDMESH_STATE_DIR), paths only, so
 that `pdmesh generate --gateway` and `pdmesh admin` work without flags; removed at stop.
+A config that binds a service anywhere but the loopback needs TLS (security.tls_dir or
+$PDMESH_TLS_DIR) or `security.allow_plaintext: true`; otherwise nothing starts (exit 2).
 
 Supervising: every HEALTH_POLL_S each service's grpc.health is asked; a status line says
 when one turns unhealthy (NOT_SERVING, or no answer within HEALTH_CHECK_S: stopped,
@@ -253,6 +255,8 @@ def run(args: argparse.Namespace) -> int:
     from common.model.catalog import PullError
     try:
         mesh_cfg = load_mesh_config(args.config)
+        from services.security.bind_policy import check_mesh_binds
+        check_mesh_binds(mesh_cfg)   # plaintext off the loopback: refused before anything starts
         from common.parallel import check_role
         for node in mesh_cfg.nodes:   # engine fields valid (cpu_cores among them) before anything starts
             check_role(node.role, mesh_cfg.engine_config(node).tensor_parallel_size, mesh_cfg.transfer.backend)

@@ -46,7 +46,14 @@ async def create_server(cfg: MetaConfig, port: int | None = None,
     kv_store_address: the kv-store whose hits cache_aware routing counts (each Lookup
     bounded by kv_store_lookup_s, timeouts.kv_store_lookup_s). Call
     `await server.close_extras()` after stopping. credentials: a MeshCredentials (default
-    the process's: services/security/credentials.py)."""
+    the process's: services/security/credentials.py). PlaintextBindError before anything
+    starts when the dashboard (plain HTTP, the admin token on the wire) would bind a
+    non-loopback host without security.allow_plaintext."""
+    if cfg.dashboard_port:
+        from services.security.bind_policy import check_bind
+        from services.security.credentials import process_credentials
+        check_bind(cfg.host, cfg.dashboard_port, False, (credentials or process_credentials()).allow_plaintext,
+                   "meta-server dashboard", http_only=True)
     cluster = None
     if etcd is not None:
         from common.cluster.etcd import EtcdCluster

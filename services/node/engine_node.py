@@ -42,7 +42,9 @@ STAGING_MAX_BYTES = 256 << 20    # a TP > 1 prefill node's staging blocks (kv_de
 
 def transfer_options(mesh: MeshConfig, advertised_host: str) -> dict:
     """Backend keyword arguments for a service advertised at advertised_host (an empty
-    transfer.hostname means that host); every call ends within timeouts.transfer_s."""
+    transfer.hostname means that host); every call ends within timeouts.transfer_s. The
+    `grpc` backend's receiver is a gRPC port: PlaintextBindError when it would bind a
+    non-loopback host without TLS or security.allow_plaintext (bind_policy.py)."""
     t = mesh.transfer
     hostname = t.hostname or advertised_host
     timeout_s = mesh.timeouts.transfer_s
@@ -50,7 +52,11 @@ def transfer_options(mesh: MeshConfig, advertised_host: str) -> dict:
         return dict(hostname=hostname, protocol=t.protocol, metadata_server=t.metadata_server,
                     device_name=t.device_name, timeout_s=timeout_s)
     if t.backend == "grpc":
-        return dict(host=hostname, timeout_s=timeout_s, **grpc_transfer_security())
+        from services.security.bind_policy import check_bind
+        security = grpc_transfer_security()
+        check_bind(hostname, 0, security["server_credentials"] is not None, mesh.security.allow_plaintext,
+                   "transfer (grpc backend)")
+        return dict(host=hostname, timeout_s=timeout_s, **security)
     return {}
 
 

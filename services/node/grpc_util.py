@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.bind_error import BindError
+from services.security.bind_policy import check_bind
 from services.security.client_auth import mesh_channel
 from services.security.credentials import MeshCredentials, MissingCredentialsError, process_credentials
 from services.node.malformed_requests import MalformedRequestInterceptor
@@ -79,8 +80,10 @@ async def stopped_on_error(server: grpc.aio.Server):
 
 def bind(server: grpc.aio.Server, host: str, port: int) -> int:
     """Bind host:port (0 = a free port), with TLS when the server's credentials carry it;
-    returns the port. BindError if taken."""
+    returns the port. BindError if taken; PlaintextBindError (nothing bound) when a port
+    without TLS would bind a non-loopback host and the config does not allow plaintext."""
     tls = server.pdmesh_credentials.tls
+    check_bind(host, port, tls is not None, server.pdmesh_credentials.allow_plaintext)
     try:
         if tls is None:
             bound = server.add_insecure_port(f"{host}:{port}")

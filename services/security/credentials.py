@@ -45,12 +45,14 @@ class TLSFiles:
 @dataclass(frozen=True, repr=False)
 class MeshCredentials:
     """Secrets as bytes (compared in constant time by services/security/server_auth.py).
-    repr() names which ones are set, never their values."""
+    repr() names which ones are set, never their values. allow_plaintext: the config's
+    security.allow_plaintext, which services/security/bind_policy.py reads where a port binds."""
 
     cluster_secret: bytes | None = None
     admin_token: bytes | None = None
     api_keys: tuple[bytes, ...] = ()
     tls: TLSFiles | None = None
+    allow_plaintext: bool = False
 
     def __repr__(self) -> str:
         have = [name for name in ("cluster_secret", "admin_token", "api_keys", "tls") if getattr(self, name)]
@@ -133,7 +135,7 @@ def load_credentials(security: SecurityConfig = SecurityConfig(), service_name: 
     keys = read_api_keys(keys_path) if keys_path else ()
     tls_dir = security.tls_dir or environ.get("PDMESH_TLS_DIR", "")
     tls = tls_files(tls_dir, service_name) if tls_dir else None
-    creds = MeshCredentials(secret, admin, keys, tls)
+    creds = MeshCredentials(secret, admin, keys, tls, security.allow_plaintext)
     if require_identity and not creds.has_identity:
         raise MissingCredentialsError(
             "no cluster secret: internal RPCs need the mesh's identity. Set security.cluster_secret_file "

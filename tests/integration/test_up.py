@@ -35,7 +35,9 @@ HANG_GUARD_S = 60       # any other step: a status line, a restart, a stop
 
 def write_config(tmp_path: Path, model: Path, *, bind_any: bool = False) -> Path:
     """deploy/local.yaml with free ports and `model`; bind_any: the compose layout (bind
-    0.0.0.0, advertise a name, transfer hostname from the node)."""
+    0.0.0.0, advertise a name, transfer hostname from the node) and, as off the loopback
+    it must be (services/security/bind_policy.py), TLS: the certificates `pdmesh certs
+    init --config` makes, no dashboard (plain HTTP)."""
     raw = yaml.safe_load((ROOT / "deploy" / "local.yaml").read_text())
     raw["model"] = str(model)
     raw.pop("pull", None)
@@ -50,7 +52,13 @@ def write_config(tmp_path: Path, model: Path, *, bind_any: bool = False) -> Path
             if section is not raw["gateway"]:
                 section["advertise_host"] = "localhost"
     if bind_any:
+        from common.config import mesh_config_from_dict
+        from services.security.certs import hosts_of, init_certs, service_names
         raw["transfer"]["hostname"] = ""
+        raw["meta_server"]["dashboard_port"] = 0
+        mesh = mesh_config_from_dict(raw)
+        init_certs(tmp_path / "certs", service_names(mesh), hosts_of(mesh), cluster=mesh.cluster)
+        raw["security"]["tls_dir"] = str(tmp_path / "certs")
     path = tmp_path / "mesh.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path

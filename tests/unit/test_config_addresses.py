@@ -27,7 +27,8 @@ def test_transfer_hostname_empty_means_the_node_name():
     mesh = mesh_config_from_dict(raw)
     assert transfer_options(mesh, mesh.node("p").advertised_host)["hostname"] == "prefill"
     assert transfer_options(mesh, mesh.node("d").advertised_host)["hostname"] == "decode"
-    grpc_mesh = mesh_config_from_dict({**raw, "transfer": {"backend": "grpc", "hostname": ""}})
+    grpc_mesh = mesh_config_from_dict({**raw, "transfer": {"backend": "grpc", "hostname": ""},   # a gRPC port
+                                       "security": {"allow_plaintext": True}})   # off the loopback: bind_policy
     options = transfer_options(grpc_mesh, grpc_mesh.node("p").advertised_host)
     assert {k: options[k] for k in ("host", "timeout_s")} == {"host": "prefill", "timeout_s": 5.0}
     assert sorted(options) == ["channel_factory", "host", "interceptors", "server_credentials", "timeout_s"]

@@ -147,24 +147,63 @@ def test_every_served_service_is_restarted_when_it_fails(services, parsed):
         assert services[name].get("restart") == want, name
 
 
+def _tls_name(args) -> str:
+    """The certificate a `pdmesh serve` loads (services/security/credentials.tls_files)."""
+    return args.node_id if args.role in ENGINE_ROLES else args.role
+
+
 def test_every_served_service_reads_the_mesh_secrets_from_compose_secrets(services, parsed):
-    """The cluster secret and admin token reach each pdmesh service as compose secrets
-    named by PDMESH_*_FILE (never on a command line); only the gateway holds the API keys."""
+    """The admin token reaches each pdmesh service as a compose secret named by
+    PDMESH_*_FILE (never on a command line); only the gateway holds the API keys; no
+    cluster secret (with TLS the certificates are the identity)."""
     top = yaml.safe_load(COMPOSE.read_text())["secrets"]
-    assert sorted(top) == ["admin_token", "api_keys", "cluster_secret"]
-    assert {s["file"] for s in top.values()} == {f"./deploy/secrets/{n}" for n in top}
+    plain = {name: s for name, s in top.items() if s["file"].startswith("./deploy/secrets/")}
+    assert sorted(plain) == ["admin_token", "api_keys"]
+    assert {s["file"] for s in plain.values()} == {f"./deploy/secrets/{n}" for n in plain}
     for name, args in parsed.items():
         if args.command != "serve":
             continue
         svc = services[name]
         env = svc["environment"]
-        assert env["PDMESH_CLUSTER_SECRET_FILE"] == "/run/secrets/cluster_secret", name
         assert env["PDMESH_ADMIN_TOKEN_FILE"] == "/run/secrets/admin_token", name
-        assert {"cluster_secret", "admin_token"} <= set(svc["secrets"]), name
+        assert not any(k.startswith("PDMESH_CLUSTER_SECRET") for k in env), name
+        assert "admin_token" in svc["secrets"], name
         assert ("api_keys" in svc["secrets"]) == (args.role == "gateway"), name
         assert ("PDMESH_API_KEYS_FILE" in env) == (args.role == "gateway"), name
         assert not any("secret" in part.lower() or "token" in part.lower() for part in svc["command"]), name
-    assert "/deploy/secrets/" in (ROOT / ".gitignore").read_text().splitlines()
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert "/deploy/secrets/" in ignored and "/deploy/certs/" in ignored
+    unbaked = (ROOT / ".dockerignore").read_text().splitlines()   # the image copies deploy/
+    assert "deploy/secrets" in unbaked and "deploy/certs" in unbaked
+
+
+def test_every_served_service_runs_tls_with_only_its_own_key(services, parsed, mesh):
+    """Secure by default: PDMESH_TLS_DIR holds the CA's certificate and the service's own
+    pair from `pdmesh certs init deploy/certs` (never ca.key nor another's key), its
+    healthcheck presents that certificate, and with it every 0.0.0.0 bind passes the
+    plaintext policy (without it each would refuse)."""
+    from services.security.bind_policy import PlaintextBindError, check_mesh_binds
+    top = yaml.safe_load(COMPOSE.read_text())["secrets"]
+    tls_dirs = set()
+    for name, args in parsed.items():
+        if args.command != "serve":
+            continue
+        svc, own = services[name], _tls_name(args)
+        tls_dir = svc["environment"]["PDMESH_TLS_DIR"]
+        mounted = {s["target"]: top[s["source"]]["file"] for s in svc["secrets"] if isinstance(s, dict)}
+        assert mounted == {f: f"./deploy/certs/{f}" for f in ("ca.crt", f"{own}.crt", f"{own}.key")}, name
+        assert tls_dir == "/run/secrets", name
+        tls_dirs.add(tls_dir)
+        health = build_parser().parse_args(svc["healthcheck"]["test"][2:])
+        port = mesh.node(args.node_id).port if args.role in ENGINE_ROLES else {
+            "meta-server": mesh.meta.port, "gateway": mesh.gateway.port, "kv-store": mesh.kv_store.port}[args.role]
+        assert svc["healthcheck"]["test"][:2] == ["CMD", "pdmesh"] and health.command == "health", name
+        assert health.address == f"127.0.0.1:{port}" and health.cert == own, name
+    assert not any(s["file"].endswith("ca.key") for s in top.values())
+    assert not mesh.security.allow_plaintext
+    check_mesh_binds(mesh, environ={"PDMESH_TLS_DIR": tls_dirs.pop()})
+    with pytest.raises(PlaintextBindError, match="security.allow_plaintext"):
+        check_mesh_binds(mesh, environ={})
 
 
 # ---- device overrides: docker-compose.{cuda,ascend}.yml -------------------------------

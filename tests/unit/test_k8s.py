@@ -28,8 +28,7 @@ ENGINE_ROLES = ("prefill", "decode", "both")
 CANN_MOUNTS = ("/usr/local/dcmi", "/usr/local/bin/npu-smi", "/usr/local/Ascend/driver/lib64",
                "/usr/local/Ascend/driver/version.info", "/etc/ascend_install.info")
 ACCELERATOR = {"cpu": (None, "cpu"), "ascend": ("huawei.com/Ascend910", "npu"), "nvidia": ("nvidia.com/gpu", "cuda")}
-SECRET_ENV = {"PDMESH_CLUSTER_SECRET_FILE": "cluster_secret", "PDMESH_ADMIN_TOKEN_FILE": "admin_token",
-              "PDMESH_API_KEYS_FILE": "api_keys"}
+SECRET_ENV = {"PDMESH_ADMIN_TOKEN_FILE": "admin_token", "PDMESH_API_KEYS_FILE": "api_keys"}
 
 
 # --- the kustomize subset these manifests use: resources, namespace, labels (pairs,
@@ -173,7 +172,15 @@ def _service_port(objs, host: str, port: int):
 
 # --- ports, probes, Services ---
 
+def _tls_name(args) -> str:
+    """The certificate a `pdmesh serve` loads (services/security/credentials.tls_files)."""
+    return args.node_id if args.role in ENGINE_ROLES else args.role
+
+
 def test_probes_and_services_target_container_ports(overlay):
+    """pdmesh services are probed by an exec of `pdmesh health 127.0.0.1:GRPC_PORT --cert
+    NAME` (kubelet's gRPC probes speak no TLS, and an internal port asks for a mesh
+    certificate): its own port, its own certificate; the others by a port of theirs."""
     _, objs, _, _ = overlay
     for name, wl in _workloads(objs).items():
         for c in wl["spec"]["template"]["spec"]["containers"]:
@@ -181,10 +188,17 @@ def test_probes_and_services_target_container_ports(overlay):
             probes = [c[p] for p in ("startupProbe", "readinessProbe", "livenessProbe") if p in c]
             assert "readinessProbe" in c and "livenessProbe" in c, f"{name}/{c['name']}"
             for probe in probes:
-                [(kind, action)] = [(k, v) for k, v in probe.items() if k in ("grpc", "httpGet", "tcpSocket")]
-                assert action["port"] in ports, f"{name}/{c['name']} {kind} probe port {action['port']}"
-                if c.get("image", "").startswith("pdmesh:"):
-                    assert kind == "grpc", f"{name}: pdmesh services serve grpc.health.v1"
+                [(kind, action)] = [(k, v) for k, v in probe.items() if k in ("grpc", "httpGet", "tcpSocket", "exec")]
+                if not c.get("image", "").startswith("pdmesh:"):
+                    assert kind != "exec" and action["port"] in ports, f"{name}/{c['name']} {kind} probe"
+                    continue
+                assert kind == "exec" and action["command"][0] == "pdmesh", f"{name}: pdmesh health"
+                served, _ = _serve(wl)
+                health = build_parser().parse_args(action["command"][1:])
+                grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
+                assert health.command == "health" and health.address == f"127.0.0.1:{grpc_port}", name
+                assert health.cert == _tls_name(served) and not health.tls_dir, f"{name}: its own cert, from env"
+                assert probe["timeoutSeconds"] >= 5, f"{name}: a Python process, not kubelet's 1 s default"
             res = c.get("resources", {})
             assert {"cpu", "memory"} <= set(res.get("requests", {})) and "memory" in res.get("limits", {}), \
                 f"{name}/{c['name']}: resource requests and a memory limit"
@@ -285,9 +299,20 @@ def test_metrics_ports_are_configured_exposed_and_scraped(overlay):
         assert {"name": "metrics", "containerPort": port} in c["ports"], name
 
 
+def _secret_mount(wl, c, secret_name: str) -> tuple[str, dict]:
+    """(mount path, {file: key}) of the container's read-only mount of Secret secret_name."""
+    [vol] = [v for v in wl["spec"]["template"]["spec"]["volumes"]
+             if v.get("secret", {}).get("secretName") == secret_name]
+    assert vol["secret"]["defaultMode"] == 0o400
+    [mount] = [m for m in c["volumeMounts"] if m["name"] == vol["name"]]
+    assert mount["readOnly"]
+    return mount["mountPath"], {i["path"]: i["key"] for i in vol["secret"]["items"]}
+
+
 def test_secrets_reach_every_service_as_files_named_by_env(overlay):
     """docs/security.md: the Secret's files mounted read-only, named by PDMESH_*_FILE;
-    only the gateway holds the API keys; nothing secret on a command line."""
+    only the gateway holds the API keys; no cluster secret (the certificates are the
+    identity); nothing secret on a command line."""
     _, objs, _, _ = overlay
     assert ("Secret", "pdmesh-secrets") not in objs, "no secret value is committed"
     for name, wl in _workloads(objs).items():
@@ -297,12 +322,9 @@ def test_secrets_reach_every_service_as_files_named_by_env(overlay):
         env = {e["name"]: e["value"] for e in c.get("env", []) if e["name"] in SECRET_ENV}
         want = [k for k in SECRET_ENV if k != "PDMESH_API_KEYS_FILE" or args.role == "gateway"]
         assert sorted(env) == sorted(want), name
-        [vol] = [v for v in wl["spec"]["template"]["spec"]["volumes"] if "secret" in v]
-        assert vol["secret"]["secretName"] == "pdmesh-secrets" and vol["secret"]["defaultMode"] == 0o400
-        [mount] = [m for m in c["volumeMounts"] if m["name"] == vol["name"]]
-        assert mount["readOnly"]
-        files = {f"{mount['mountPath']}/{i['path']}": i["key"] for i in vol["secret"]["items"]}
-        assert files == {path: SECRET_ENV[var] for var, path in env.items()}, name
+        path, files = _secret_mount(wl, c, "pdmesh-secrets")
+        assert {f"{path}/{f}": key for f, key in files.items()} == {p: SECRET_ENV[var] for var, p in env.items()}, name
+        assert not any(e["name"].startswith("PDMESH_CLUSTER_SECRET") for e in c.get("env", [])), name
         assert not any("secret" in a.lower() or "token" in a.lower() for a in c["args"]), name
 
 
