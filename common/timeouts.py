@@ -55,6 +55,15 @@ class TimeoutConfig:
                       left a command waiting this long, reports NOT_SERVING and leaves
                       routing until it makes progress. Longer than the longest healthy step
                       (a full prefill chunk), shorter than request_s.
+    node_wait_s       the gateway: a request that finds no decode node to serve it (none
+                      registered, the ones it tried are gone, the meta-server unreachable
+                      past meta_follow_s or just restarted with no members yet) waits this
+                      long for one, asking again every NODE_WAIT_POLL_S (a node that
+                      pauses, restarts or is being started re-registers meanwhile), never
+                      past its deadline; then it fails UNAVAILABLE. A mesh that is full
+                      (RESOURCE_EXHAUSTED) is not waited for: the client hears it at once.
+                      Longer than a node's pause plus one membership TTL (its
+                      re-registration); shorter than request_s.
     """
 
     transfer_s: float = 5.0
@@ -69,6 +78,7 @@ class TimeoutConfig:
     kv_store_lookup_s: float = 0.05
     progress_s: float = 2.0
     stall_s: float = 10.0
+    node_wait_s: float = 30.0
 
     @property
     def transfer_bound_s(self) -> float:
@@ -89,7 +99,7 @@ class TimeoutConfig:
                 raise ValueError(
                     f"timeouts.{shorter} ({getattr(self, shorter)}) must be < timeouts.{longer} "
                     f"({getattr(self, longer)}): the order must be {order}")
-        for name in ("progress_s", "stall_s"):
+        for name in ("progress_s", "stall_s", "node_wait_s"):
             if not getattr(self, name) < self.request_s:
                 raise ValueError(f"timeouts.{name} ({getattr(self, name)}) must be < timeouts.request_s "
                                  f"({self.request_s})")

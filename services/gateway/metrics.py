@@ -11,6 +11,8 @@ from the request's arrival at the gateway (before tokenization):
   prompt_tokens_total, generation_tokens_total   of finished requests
   migrations_total              moves to another decode node mid-stream
   num_requests_running          requests streaming now
+  num_requests_waiting_for_node requests waiting for a decode node to route to (none now)
+  node_wait_seconds             how long each wait for a node lasted (it found one or gave up)
 
 Thread-safety: event loop only (prometheus_client's metrics are thread-safe anyway).
 """
@@ -44,6 +46,10 @@ class GatewayMetrics:
         self.migrations = Counter(name("migrations"), "Requests moved to another decode node mid-stream.",
                                   registry=r)
         self.running = Gauge(name("num_requests_running"), "Client requests streaming now.", registry=r)
+        self.node_waiting = Gauge(name("num_requests_waiting_for_node"),
+                                  "Client requests waiting for a decode node to route to.", registry=r)
+        self.node_wait = Histogram(name("node_wait_seconds"), "Waits of requests for a decode node to route to.",
+                                   buckets=LATENCY_BUCKETS, registry=r)
 
     def timer(self, arrival: float | None = None) -> "RequestTimer":
         """One request's timer; arrival: its time.perf_counter() at the gateway (default now)."""

@@ -16,6 +16,13 @@ Lifecycle (one RequestStream per client call; `replies()` yields GenerateRespons
       they come once, on the first message), and what remains of the deadline; at
       most gateway.max_migrations. The client's stream has no seam: detokenizer and stop
       strings live here and carry on; usage counts the original prompt and every token.
+  no node to route to (none registered, every one it tried excluded, the meta-server
+    unreachable or just restarted): wait for one, asking again every NODE_WAIT_POLL_S, for
+    up to timeouts.node_wait_s and never past the deadline; a node this request failed on
+    is routed to again once `exclusion_lapse_s` (one membership TTL) has passed since, by
+    when a stopped or dead node has left the members and a working one has registered
+    again; the refusal budget starts over then. A mesh that said RESOURCE_EXHAUSTED is
+    not waited for (the client hears it at once).
   anything else -> PublicError with the status (UNAVAILABLE for unknown ones) and a plain
     message with an error id; what the node or meta-server said goes to the log under
     that id (services/gateway/public_errors.py)
@@ -49,6 +56,8 @@ MAX_REFUSALS = 3
 REFUSED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 BROKEN = (grpc.StatusCode.UNAVAILABLE,)
 HEALTH_PROBE_S = 0.5   # a stopped node never answers; a working one does within milliseconds
+NODE_WAIT_POLL_S = 0.25   # a node registers within one heartbeat (TTL / 3): a few asks a heartbeat
+WAITABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class NodeStopped(Exception):
@@ -59,9 +68,10 @@ class RequestStream:
     def __init__(self, *, meta: MetaClient, decode: DecodeClient, timeouts: TimeoutConfig,
                  max_migrations: int, model_id: str, tokenizer, prompt_ids: list[int], params,
                  request: gateway_pb2.GenerateRequest, deadline: float, block_hashes,
-                 metrics=None, arrival: float | None = None):
+                 metrics=None, arrival: float | None = None, exclusion_lapse_s: float = 5.0):
         """metrics: a GatewayMetrics (services/gateway/metrics.py) this request is counted
-        in, None = not counted; arrival: the request's time.perf_counter() at the gateway."""
+        in, None = not counted; arrival: the request's time.perf_counter() at the gateway;
+        exclusion_lapse_s: the mesh's membership TTL (meta_server.ttl_seconds)."""
         self.meta, self.decode, self.timeouts = meta, decode, timeouts
         self.max_migrations, self.model_id = max_migrations, model_id
         self.prompt_ids, self.params, self.request, self.deadline = prompt_ids, params, request, deadline
@@ -69,7 +79,8 @@ class RequestStream:
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.matcher = StopStringMatcher(params.stop)
         self.tokens: list[int] = []               # every token the client has
-        self.excluded: list[str] = []
+        self.excluded: dict[str, float] = {}      # node id -> when this request failed on it
+        self.exclusion_lapse_s = exclusion_lapse_s
         self.refusals = 0
         self.migrations = 0
         self.last_refusal: tuple[grpc.StatusCode, str] | None = None   # code, internal details
@@ -123,27 +134,58 @@ class RequestStream:
 
     # ---- one attempt -------------------------------------------------------------------
     async def _route(self) -> meta_pb2.RouteResponse:
-        prompt = self.prompt_ids + self.tokens
+        """A route, waiting for a decode node when there is none (module docstring)."""
+        waiting_since = None
         try:
-            asked = meta_pb2.RouteRequest(
-                request_id=uuid.uuid4().hex, model_id=self.model_id, num_prompt_tokens=len(prompt),
-                block_hashes=await self.block_hashes(prompt), exclude_node_ids=self.excluded)
-            timeline.link(self.request.request_id, asked.request_id)
-            timeline.mark("gateway.route_sent", self.request.request_id)
-            route = await self.meta.route(asked, timeout=min(self.timeouts.route_s, _remaining(self.deadline)),
-                                          deadline=self.deadline)
-            timeline.mark("gateway.routed", self.request.request_id)
-            return route
-        except grpc.aio.AioRpcError as e:
-            said = f"Route: {e.code().name} {e.details()}"
-            if time.monotonic() >= self.deadline:
-                raise self._error(grpc.StatusCode.DEADLINE_EXCEEDED, public_errors.DEADLINE_PASSED, said)
-            if self.last_refusal is not None:   # no other decode node: what the last one said
-                code, internal = self.last_refusal
-                raise self._error(code, _refused(code), f"{internal}; then {said}")
-            no_node = e.code() == grpc.StatusCode.UNAVAILABLE and (e.details() or "").startswith(NO_NODE_PREFIX)
-            raise self._error(grpc.StatusCode.UNAVAILABLE,
-                              public_errors.NO_DECODE_NODE if no_node else public_errors.NO_ROUTE, said)
+            while True:
+                try:
+                    return await self._route_once()
+                except grpc.aio.AioRpcError as e:
+                    said = f"Route: {e.code().name} {e.details()}"
+                    if time.monotonic() >= self.deadline:
+                        raise self._error(grpc.StatusCode.DEADLINE_EXCEEDED, public_errors.DEADLINE_PASSED, said)
+                    full = self.last_refusal is not None and self.last_refusal[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    if full or e.code() not in WAITABLE:
+                        raise self._route_error(e, said) from None
+                    if waiting_since is None:
+                        waiting_since = time.monotonic()
+                        log.info("no decode node for client id %r (%s); waiting up to %gs for one",
+                                 self.request.request_id, said, self.timeouts.node_wait_s)
+                        if self.metrics is not None:
+                            self.metrics.node_waiting.inc()
+                    if time.monotonic() - waiting_since >= self.timeouts.node_wait_s:
+                        raise self._route_error(e, said) from None
+                    await asyncio.sleep(min(NODE_WAIT_POLL_S, _remaining(self.deadline)))
+        finally:
+            if waiting_since is not None and self.metrics is not None:
+                self.metrics.node_waiting.dec()
+                self.metrics.node_wait.observe(time.monotonic() - waiting_since)
+
+    async def _route_once(self) -> meta_pb2.RouteResponse:
+        prompt = self.prompt_ids + self.tokens
+        now = time.monotonic()
+        lapsed = [n for n, at in self.excluded.items() if now - at >= self.exclusion_lapse_s]
+        if lapsed:      # gone from the members by now, or registered again: worth another try
+            for node_id in lapsed:
+                del self.excluded[node_id]
+            self.refusals, self.last_refusal = 0, None
+        asked = meta_pb2.RouteRequest(
+            request_id=uuid.uuid4().hex, model_id=self.model_id, num_prompt_tokens=len(prompt),
+            block_hashes=await self.block_hashes(prompt), exclude_node_ids=list(self.excluded))
+        timeline.link(self.request.request_id, asked.request_id)
+        timeline.mark("gateway.route_sent", self.request.request_id)
+        route = await self.meta.route(asked, timeout=min(self.timeouts.route_s, _remaining(self.deadline)),
+                                      deadline=self.deadline)
+        timeline.mark("gateway.routed", self.request.request_id)
+        return route
+
+    def _route_error(self, e: grpc.aio.AioRpcError, said: str) -> PublicError:
+        if self.last_refusal is not None:   # no other decode node: what the last one said
+            code, internal = self.last_refusal
+            return self._error(code, _refused(code), f"{internal}; then {said}")
+        no_node = e.code() == grpc.StatusCode.UNAVAILABLE and (e.details() or "").startswith(NO_NODE_PREFIX)
+        return self._error(grpc.StatusCode.UNAVAILABLE,
+                           public_errors.NO_DECODE_NODE if no_node else public_errors.NO_ROUTE, said)
 
     def _downstream(self, route: meta_pb2.RouteResponse) -> engine_pb2.DecodeRequest:
         sampling = common_pb2.SamplingParams()
@@ -244,7 +286,7 @@ class RequestStream:
             log.warning("decode node %s answered %s for client id %r (%s); routing again",
                         node_id, code.name, self.request.request_id, details)
             self.last_refusal = (code, internal)
-            self.excluded.append(node_id)
+            self.excluded[node_id] = time.monotonic()
             return
         if sent_here > 0 and code in BROKEN and self.migrations < self.max_migrations and in_time:
             self.migrations += 1
@@ -253,7 +295,7 @@ class RequestStream:
             log.warning("decode node %s broke the stream of client id %r after %d tokens (%s %s); "
                         "migrating (%d of at most %d)", node_id, self.request.request_id, len(self.tokens),
                         code.name, details, self.migrations, self.max_migrations)
-            self.excluded.append(node_id)
+            self.excluded[node_id] = time.monotonic()
             return
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             # the engine's own validation (common/engine/validation.py), which the gateway

@@ -30,7 +30,8 @@ async def create_server(mesh: MeshConfig, port: int | None = None, credentials=N
     servicer = GatewayServicer(Tokenizer.from_dir(mesh.model), mesh.resolved_model_id,
                                mcfg.vocab_size, max_model_len(mesh, mcfg.max_position_embeddings),
                                list(mesh.gateway.meta_addresses) or [mesh.meta.address],
-                               mesh.timeouts, mesh.gateway.max_migrations, limits=mesh.limits)
+                               mesh.timeouts, mesh.gateway.max_migrations, limits=mesh.limits,
+                               membership_ttl_s=mesh.meta.ttl_seconds)
     if credentials is None:
         from services.security.credentials import install_default, load_credentials
         credentials = load_credentials(mesh.security, "gateway", mesh.gateway.api_keys_file)

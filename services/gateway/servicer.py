@@ -53,16 +53,18 @@ class UnknownModel(ValueError):
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Register with services.gateway.wire.add_gateway_to_server (invalid UTF-8 is then
-    INVALID_ARGUMENT); close() when the server stopped."""
+    INVALID_ARGUMENT); close() when the server stopped. membership_ttl_s: the mesh's
+    meta_server.ttl_seconds (how long a request keeps off a node it failed on)."""
 
     def __init__(self, tokenizer: Tokenizer, model_id: str, vocab_size: int, max_model_len: int,
                  meta_addresses: list[str] | str, timeouts: TimeoutConfig = TimeoutConfig(),
-                 max_migrations: int = 3, limits: LimitsConfig = LimitsConfig()):
+                 max_migrations: int = 3, limits: LimitsConfig = LimitsConfig(), membership_ttl_s: float = 5.0):
         self.tokenizer, self.model_id = tokenizer, model_id
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         if isinstance(meta_addresses, str):
             meta_addresses = [meta_addresses]
         self.timeouts, self.max_migrations, self.limits = timeouts, max_migrations, limits
+        self.membership_ttl_s = membership_ttl_s
         self.meta = MetaClient(meta_addresses, timeouts.meta_follow_s)
         self.decode = DecodeClient()
         self.tokenizer_pool = TokenizerPool(tokenizer, limits.tokenizer_threads)
@@ -134,7 +136,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                              max_migrations=self.max_migrations, model_id=self.model_id,
                              tokenizer=self.tokenizer, prompt_ids=ids, params=params, request=request,
                              deadline=deadline, block_hashes=self._block_hashes,
-                             metrics=self.metrics, arrival=arrival)
+                             metrics=self.metrics, arrival=arrival, exclusion_lapse_s=self.membership_ttl_s)
 
     async def replies(self, stream: RequestStream) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """stream's replies; every failure as PublicError. Closing this iterator (or

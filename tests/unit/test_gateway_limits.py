@@ -1,6 +1,6 @@
 """The gateway's bounds on one public request and its public errors, exactly: a real
 GatewayServicer and meta-server in one process over real gRPC, fake decode nodes (real
-gRPC servers) that stream a token every TOKEN_S or fail as told.
+gRPC servers) that stream a token every TOKEN_S or fail as told (tests/gateway_mesh.py).
 
 - Each limit (limits.*) refused with INVALID_ARGUMENT and the exact message naming the
   field and the limit; non-finite temperature/top_p and invalid UTF-8 (named field) too.
@@ -18,112 +18,25 @@ import math
 import re
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 
-from common.config import LimitsConfig, MetaConfig
+from common.config import LimitsConfig
 from common.engine.sampling_params import SamplingParams
 from common.engine.validation import validate_request
 from common.model.tokenizer import Tokenizer
-from protos.pdmesh.v1 import (common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc, meta_pb2,
-                              meta_pb2_grpc)
+from protos.pdmesh.v1 import gateway_pb2
 from services.gateway.servicer import GatewayServicer
 from services.gateway.tokenizer_pool import TokenizerPool
-from services.gateway.wire import add_gateway_to_server
-from services.meta_server.server import create_server
-from services.node import grpc_util
+from tests.gateway_mesh import FakeDecode, Mesh
 from tests.gateway_requests import SMALL, request
 
 pytestmark = pytest.mark.timeout(120)
 HANG_GUARD_S = 30.0     # a wait's bound: only catches a hang, never a slow host
-TOKEN_S = 0.01
-MAX_MODEL_LEN = 4096
 INTERNAL_TEXT = re.compile(r"ipv4:|ipv6:|127\.0\.0\.1|decode-\d|<class|Traceback|Error\b|Exception|"
                            r"StatusCode|debug_error_string|failed to connect|RpcError")
 ERROR_ID = re.compile(r"\(error id ([0-9a-f]{8})\)$")
-
-
-class FakeDecode(engine_pb2_grpc.DecodeServicer):
-    """Streams max_tokens tokens, one per TOKEN_S (the last with finish_reason "length");
-    with `fail` = (code, details) it ends every call so at once instead."""
-
-    def __init__(self, fail: tuple[grpc.StatusCode, str] | None = None):
-        self.fail = fail
-
-    async def Generate(self, request, context):
-        if self.fail is not None:
-            await context.abort(*self.fail)
-        n = request.sampling.max_tokens
-        for i in range(n):
-            await asyncio.sleep(TOKEN_S)
-            msg = engine_pb2.DecodeResponse(token_ids=[10 + i % 500])
-            if i == n - 1:
-                msg.finish_reason = "length"
-                msg.usage.prompt_tokens, msg.usage.completion_tokens = len(request.prompt_token_ids), n
-            yield msg
-
-
-class Mesh:
-    """A meta-server, one FakeDecode node "decode-0" (None: no node) and the gateway;
-    register: how the gateway's handlers are registered (wire: add_gateway_to_server, the
-    sizes read off the wire first; generated: gateway_pb2_grpc's, on the parsed message)."""
-
-    def __init__(self, model_dir: Path, limits: LimitsConfig = LimitsConfig(),
-                 decode: FakeDecode | None = None, max_model_len: int = MAX_MODEL_LEN, register: str = "wire"):
-        self.model_dir, self.limits, self.decode_servicer = model_dir, limits, decode
-        self.max_model_len, self.register = max_model_len, register
-
-    async def __aenter__(self) -> "Mesh":
-        self.meta, meta_port = await create_server(MetaConfig(port=0, ttl_seconds=60.0))
-        self.decode_server = None
-        if self.decode_servicer is not None:
-            self.decode_server = grpc.aio.server()
-            engine_pb2_grpc.add_DecodeServicer_to_server(self.decode_servicer, self.decode_server)
-            port = self.decode_server.add_insecure_port("127.0.0.1:0")
-            await self.decode_server.start()
-            async with grpc_util.channel(f"127.0.0.1:{meta_port}") as ch:
-                await meta_pb2_grpc.MetaServerStub(ch).Register(meta_pb2.RegisterRequest(
-                    node=common_pb2.NodeInfo(node_id="decode-0", role="decode", address=f"127.0.0.1:{port}",
-                                             model_id="tiny"), ttl_seconds=60.0))
-        self.gateway = GatewayServicer(Tokenizer.from_dir(self.model_dir), "tiny", 1024, self.max_model_len,
-                                       f"127.0.0.1:{meta_port}", limits=self.limits)
-        self.server = grpc.aio.server(options=grpc_util.CHANNEL_OPTIONS)
-        if self.register == "wire":
-            add_gateway_to_server(self.gateway, self.server)
-        else:
-            gateway_pb2_grpc.add_GatewayServicer_to_server(self.gateway, self.server)
-        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
-        await self.server.start()
-        self.channel = grpc.aio.insecure_channel(self.address, options=grpc_util.CHANNEL_OPTIONS)
-        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.channel.close()
-        await self.server.stop(None)
-        await self.gateway.close()
-        if self.decode_server is not None:
-            await self.decode_server.stop(None)
-        await self.meta.stop(None)
-        await self.meta.close_extras()
-
-    async def generate(self, req: gateway_pb2.GenerateRequest, timeout: float = 30) -> list:
-        return [m async for m in self.stub.Generate(req, timeout=timeout)]
-
-    async def raw(self, method: str, data: bytes) -> grpc.aio.AioRpcError:
-        """Call Gateway/method with these exact request bytes; the error it fails with."""
-        path = f"/pdmesh.v1.Gateway/{method}"
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            if method == "Generate":
-                async for _ in self.channel.unary_stream(path, request_serializer=bytes)(data, timeout=10):
-                    pass
-            else:
-                await self.channel.unary_unary(path, request_serializer=bytes)(data, timeout=10)
-        return err.value
-
-
 
 
 class TokenizerSpy:
