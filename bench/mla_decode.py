@@ -7,9 +7,12 @@ the KV bytes a token costs in the latent cache against a per-head K/V cache.
 Attention: one layer of DeepSeek-V2-Lite's shape (16 heads, kv_lora_rank 512, rope 64,
 qk_nope 128, v_head 128; fp32), `batch` sequences of `context` cached tokens each, one new
 query token each, from the query (after q_b_proj) to the per-head output (before o_proj):
-    absorbed   q_nope through W_UK, attention over the latent rows as one KV head
-               (Backend.mla_decode: the C++ paged decode kernel on the cpu backend, torch's
-               tiled gather on ref), the output through W_UV
+    absorbed   q_nope through W_UK, attention over the latent rows as one KV head, the
+               output through W_UV (Backend.mla_decode). On the cpu backend: each sequence's
+               blocks consecutive in the cache, so two GEMMs a sequence over its rows in place
+               (kernels/mla_cpu_decode.py); `scattered`: the same cache with the block table
+               shuffled, which the cpu backend runs on the C++ paged decode kernel (the
+               latent as one KV head); on ref, torch's tiled gather
     expanded   every sequence's latent rows recomputed through kv_b_proj into per-head K
                and V, then attention per head (what the layer's prefill does; a decode that
                keeps only the latent and does not absorb must do it every step)
@@ -116,8 +119,12 @@ def attention(batch: int, context: int, rounds: int, steps: int) -> dict:
     ref = get_backend("ref", torch.device("cpu"))
     cache, q_nope, q_pe, decode, prefill = inputs(cfg, batch, context)
     k_heads, v_heads, q_heads = per_head_caches(cfg, batch, context)
+    shuffled = torch.randperm(decode.block_tables.numel(), generator=torch.Generator().manual_seed(3))
+    scattered = DecodeMetadata(seq_lens=decode.seq_lens, seq_lens_list=decode.seq_lens_list,
+                               block_tables=shuffled.view_as(decode.block_tables).to(torch.int32))
     runs = {
         "absorbed_cpu": lambda: layer._decode(q_nope, q_pe, (cache,), _Batch(decode), cpu),
+        "absorbed_cpu_scattered": lambda: layer._decode(q_nope, q_pe, (cache,), _Batch(scattered), cpu),
         "absorbed_ref": lambda: layer._decode(q_nope, q_pe, (cache,), _Batch(decode), ref),
         "expanded": lambda: layer._prefill(q_nope, q_pe, None, (cache,), prefill, cpu),
         "per_head_cache": lambda: cpu.decode(q_heads, k_heads, v_heads, decode, layer.scale),
@@ -133,10 +140,12 @@ def attention(batch: int, context: int, rounds: int, steps: int) -> dict:
     ratio = statistics.median(a / e for a, e in zip(per_round["absorbed_cpu"], per_round["expanded"]))
     ref_ratio = statistics.median(a / r for a, r in zip(per_round["absorbed_cpu"], per_round["absorbed_ref"]))
     head_ratio = statistics.median(a / h for a, h in zip(per_round["absorbed_cpu"], per_round["per_head_cache"]))
+    gemm_ratio = statistics.median(g / a for g, a in zip(per_round["absorbed_cpu"],
+                                                         per_round["absorbed_cpu_scattered"]))
     return {"batch": batch, "context": context, "rounds": rounds, "steps": steps,
             "ms": {k: round(statistics.median(v) * 1e3, 3) for k, v in per_round.items()},
             "absorbed_over_expanded": round(ratio, 4), "absorbed_cpu_over_ref": round(ref_ratio, 3),
-            "absorbed_over_per_head_cache": round(head_ratio, 3),
+            "absorbed_over_per_head_cache": round(head_ratio, 3), "gemm_over_paged_kernel": round(gemm_ratio, 3),
             "max_abs_diff": agree}
 
 
@@ -174,7 +183,9 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     att = result["attention"]
     print(f"decode attention, batch {att['batch']}, context {att['context']} (DeepSeek-V2-Lite layer, fp32): "
-          f"absorbed {att['ms']['absorbed_cpu']} ms (ref backend {att['ms']['absorbed_ref']} ms), expanded "
+          f"absorbed {att['ms']['absorbed_cpu']} ms (GEMMs; scattered blocks on the paged kernel "
+          f"{att['ms']['absorbed_cpu_scattered']} ms: {att['gemm_over_paged_kernel']}x; ref backend "
+          f"{att['ms']['absorbed_ref']} ms), expanded "
           f"{att['ms']['expanded']} ms, per-head cache {att['ms']['per_head_cache']} ms -> absorbed/expanded "
           f"{att['absorbed_over_expanded']}x, absorbed/per-head {att['absorbed_over_per_head_cache']}x, cpu/ref "
           f"{att['absorbed_cpu_over_ref']}x; outputs agree to {att['max_abs_diff']:.1e}")

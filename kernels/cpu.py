@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from kernels.api import DecodeMetadata
 from kernels.cpu_extension import cpu_kernels
 from kernels.kv_int8 import KVCacheScales, over_codes
+from kernels.mla_cpu_decode import consecutive, latent_gemm_decode
 from kernels.moe import routed_by_expert
 from kernels.ref import RefBackend
 
@@ -153,6 +154,26 @@ class CpuBackend(RefBackend):
         out = self.extension.paged_decode(query.float(), k_cache, v_cache, meta.block_tables.contiguous(),
                                           meta.seq_lens.contiguous(), scale)
         return out.to(query.dtype)
+
+    def mla_decode(self, query, planes, meta: DecodeMetadata, scale: float, kv_lora_rank: int) -> torch.Tensor:
+        """The sequences whose blocks are consecutive as two GEMMs each over their rows in
+        place (kernels/mla_cpu_decode.py, every head at once); the rest on the paged kernel."""
+        if len(planes) != 1 or query.shape[0] == 0:
+            return super().mla_decode(query, planes, meta, scale, kv_lora_rank)
+        in_place = consecutive(meta, planes[0].shape[1])
+        if not any(in_place):
+            return super().mla_decode(query, planes, meta, scale, kv_lora_rank)
+        if all(in_place):
+            return latent_gemm_decode(query, planes[0], meta, scale, kv_lora_rank)
+        out = query.new_empty(query.shape[0], query.shape[1], kv_lora_rank)
+        for keep, path in ((True, lambda q, m: latent_gemm_decode(q, planes[0], m, scale, kv_lora_rank)),
+                           (False, lambda q, m: super(CpuBackend, self).mla_decode(q, planes, m, scale, kv_lora_rank))):
+            rows = [i for i, c in enumerate(in_place) if c == keep]
+            index = torch.tensor(rows)
+            part = DecodeMetadata(seq_lens=meta.seq_lens[index], block_tables=meta.block_tables[index],
+                                  seq_lens_list=[meta.seq_lens_list[i] for i in rows])
+            out[index] = path(query[index], part)
+        return out
 
     def rms_norm(self, x, weight, eps: float) -> torch.Tensor:
         if self.extension is None or x.dtype != weight.dtype:

@@ -186,3 +186,36 @@ def test_an_int8_kv_cache_is_refused_for_mla(saved_deepseek, tmp_path):
                                                                   "kv_cache_type": "C8"}))
     with pytest.raises(ValueError, match="kv_cache_type C8 .* is not supported for MLA models"):
         LLM(str(bad), kernel_backend="cpu", num_blocks=16)
+
+
+def test_the_cpu_decode_gemms_over_consecutive_blocks_and_the_paged_kernel_over_the_rest():
+    """CpuBackend.mla_decode on a batch mixing sequences whose blocks are consecutive (two
+    GEMMs each, kernels/mla_cpu_decode.py) and scattered ones (the paged kernel): every
+    sequence equals ref's decode; an all-consecutive batch takes no paged-kernel call."""
+    from kernels import get_backend
+    from kernels.api import DecodeMetadata
+    from kernels.mla_cpu_decode import consecutive
+    from kernels.ref import RefBackend
+    g = torch.Generator().manual_seed(4)
+    plane = torch.randn(12, 16, 1, 40, generator=g)
+    lens = [40, 17, 5, 33]
+    tables = torch.tensor([[3, 4, 5], [9, 2, 0], [7, 0, 0], [0, 1, 2]], dtype=torch.int32)
+    meta = DecodeMetadata(seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables, seq_lens_list=lens)
+    assert consecutive(meta, 16) == [True, False, True, True]
+    query = torch.randn(4, 6, 40, generator=g)
+    cpu = get_backend("cpu", "cpu")
+    want = RefBackend().mla_decode(query, (plane,), meta, 0.1, 32)
+    torch.testing.assert_close(cpu.mla_decode(query, (plane,), meta, 0.1, 32), want, rtol=0, atol=1e-5)
+    calls = []
+    decode = cpu.decode
+    cpu.decode = lambda *a, **k: calls.append(1) or decode(*a, **k)
+    try:
+        keep = [0, 2, 3]
+        part = DecodeMetadata(seq_lens=meta.seq_lens[keep], block_tables=tables[keep],
+                              seq_lens_list=[lens[i] for i in keep])
+        torch.testing.assert_close(cpu.mla_decode(query[keep], (plane,), part, 0.1, 32), want[keep], rtol=0, atol=1e-5)
+        assert calls == []
+        cpu.mla_decode(query, (plane,), meta, 0.1, 32)
+        assert calls == [1]                          # the scattered one alone
+    finally:
+        del cpu.decode
