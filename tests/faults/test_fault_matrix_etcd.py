@@ -4,6 +4,8 @@ decode-0; the 32 requests are in flight when the fault hits."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -111,3 +113,26 @@ def test_the_only_decode_node_killed_then_restarted(mesh_b, work, baseline_b, fa
     row["waited_for_a_node"] = gateway_log.read_text().count(WAITED) - logged_before
     assert row["waited_for_a_node"] >= 1, "the gateway waited for a decode node"
     row["without_a_decode_node_s"] = round(without_node_s, 2)
+
+
+@pytest.mark.long_fault
+def test_the_only_decode_node_stopped_for_10s(mesh_b, work, baseline_b, fault_table):
+    """The only decode node SIGSTOP'd for 10 s mid-stream: its streams go silent, it leaves
+    the members after a TTL, the requests (their deadline outlasts the pause) wait for a
+    decode node, and when it resumes and registers again every stream moves back onto it
+    and completes with the offline tokens."""
+    async def fault(progress):
+        await until(lambda: mid_stream(progress))
+        os.killpg(mesh_b.services["decode-0"].process.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(STOP_S)
+        finally:
+            os.killpg(mesh_b.services["decode-0"].process.pid, signal.SIGCONT)
+
+    gateway_log = mesh_b.services["gateway"].log_path
+    logged_before = gateway_log.read_text().count(WAITED)
+    outcomes, _ = asyncio.run(work.run(mesh_b.gateway_address, fault))
+    row = finish(mesh_b, work, fault_table, "only decode node SIGSTOP 10 s", outcomes, baseline_b)
+    row["waited_for_a_node"] = gateway_log.read_text().count(WAITED) - logged_before
+    assert row["waited_for_a_node"] >= 1, "the gateway waited for a decode node"
+    wait_members(mesh_b)
