@@ -10,7 +10,7 @@ from the request's arrival at the gateway (before tokenization):
                                 (the client got an error status), abort (the client left)
   prompt_tokens_total, generation_tokens_total   of finished requests
   migrations_total              moves to another decode node mid-stream
-  num_requests_running          requests streaming now
+  num_requests_running          requests in the gateway now (waiting for a node included)
   num_requests_waiting_for_node requests waiting for a decode node to route to (none now)
   node_wait_seconds             how long each wait for a node lasted (it found one or gave up)
 

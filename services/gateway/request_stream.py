@@ -18,7 +18,8 @@ Lifecycle (one RequestStream per client call; `replies()` yields GenerateRespons
       strings live here and carry on; usage counts the original prompt and every token.
   no node to route to (none registered, every one it tried excluded, the meta-server
     unreachable or just restarted): wait for one, asking again every NODE_WAIT_POLL_S, for
-    up to timeouts.node_wait_s and never past the deadline; a node this request failed on
+    up to timeouts.node_wait_s from the first route that found none until an attempt
+    streams (then UNAVAILABLE, also when no poll is left before the deadline); a node this request failed on
     is routed to again once `exclusion_lapse_s` (one membership TTL) has passed since, by
     when a stopped or dead node has left the members and a working one has registered
     again; the refusal budget starts over then. A mesh that said RESOURCE_EXHAUSTED is
@@ -80,6 +81,7 @@ class RequestStream:
         self.matcher = StopStringMatcher(params.stop)
         self.tokens: list[int] = []               # every token the client has
         self.excluded: dict[str, float] = {}      # node id -> when this request failed on it
+        self.no_node_since: float | None = None   # the wait for a decode node began (module docstring)
         self.exclusion_lapse_s = exclusion_lapse_s
         self.refusals = 0
         self.migrations = 0
@@ -116,6 +118,7 @@ class RequestStream:
             sent_here = 0
             try:
                 async for msg in self._watched(call, node):
+                    self.no_node_since = None            # a node serves it: any later wait is a new one
                     if not self.tokens:
                         timeline.mark("gateway.first_in", self.request.request_id)
                     reply, done = self._reply(msg, first=not self.tokens)
@@ -134,35 +137,48 @@ class RequestStream:
 
     # ---- one attempt -------------------------------------------------------------------
     async def _route(self) -> meta_pb2.RouteResponse:
-        """A route, waiting for a decode node when there is none (module docstring)."""
-        waiting_since = None
+        """A route, waiting for a decode node when there is none (module docstring). The
+        wait is the request's: it starts at the first route that found no node and ends
+        only when an attempt streams a message, so neither a node that keeps refusing nor
+        a meta-server that keeps failing stretches it past node_wait_s; every call in it
+        (the meta client's leader following included) is bounded by its end."""
+        started = time.monotonic()
+        waited_from = None         # this call's part of the wait (the metrics)
+        hashes = None              # the prompt does not change while it waits
         try:
             while True:
+                wait_end = min(self.deadline, (self.no_node_since or started) + self.timeouts.node_wait_s)
                 try:
-                    return await self._route_once()
+                    if hashes is None:
+                        hashes = await self.block_hashes(self.prompt_ids + self.tokens, deadline=wait_end)
+                    return await self._route_once(hashes, wait_end)
                 except grpc.aio.AioRpcError as e:
                     said = f"Route: {e.code().name} {e.details()}"
-                    if time.monotonic() >= self.deadline:
+                    now = time.monotonic()
+                    if now >= self.deadline:
                         raise self._error(grpc.StatusCode.DEADLINE_EXCEEDED, public_errors.DEADLINE_PASSED, said)
                     full = self.last_refusal is not None and self.last_refusal[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
                     if full or e.code() not in WAITABLE:
                         raise self._route_error(e, said) from None
-                    if waiting_since is None:
-                        waiting_since = time.monotonic()
+                    if self.no_node_since is None:
+                        self.no_node_since = started
+                    # past the wait, or no poll left before the deadline: UNAVAILABLE (what a
+                    # client's retry policy retries), not the deadline's status
+                    if now >= wait_end or now + NODE_WAIT_POLL_S >= self.deadline:
+                        raise self._route_error(e, said) from None
+                    if waited_from is None:
+                        waited_from = now
                         log.info("no decode node for client id %r (%s); waiting up to %gs for one",
-                                 self.request.request_id, said, self.timeouts.node_wait_s)
+                                 self.request.request_id, said, wait_end - now)
                         if self.metrics is not None:
                             self.metrics.node_waiting.inc()
-                    if time.monotonic() - waiting_since >= self.timeouts.node_wait_s:
-                        raise self._route_error(e, said) from None
-                    await asyncio.sleep(min(NODE_WAIT_POLL_S, _remaining(self.deadline)))
+                    await asyncio.sleep(NODE_WAIT_POLL_S)
         finally:
-            if waiting_since is not None and self.metrics is not None:
+            if waited_from is not None and self.metrics is not None:
                 self.metrics.node_waiting.dec()
-                self.metrics.node_wait.observe(time.monotonic() - waiting_since)
+                self.metrics.node_wait.observe(time.monotonic() - waited_from)
 
-    async def _route_once(self) -> meta_pb2.RouteResponse:
-        prompt = self.prompt_ids + self.tokens
+    async def _route_once(self, hashes: list[bytes], wait_end: float) -> meta_pb2.RouteResponse:
         now = time.monotonic()
         lapsed = [n for n, at in self.excluded.items() if now - at >= self.exclusion_lapse_s]
         if lapsed:      # gone from the members by now, or registered again: worth another try
@@ -170,12 +186,12 @@ class RequestStream:
                 del self.excluded[node_id]
             self.refusals, self.last_refusal = 0, None
         asked = meta_pb2.RouteRequest(
-            request_id=uuid.uuid4().hex, model_id=self.model_id, num_prompt_tokens=len(prompt),
-            block_hashes=await self.block_hashes(prompt), exclude_node_ids=list(self.excluded))
+            request_id=uuid.uuid4().hex, model_id=self.model_id, num_prompt_tokens=len(self.prompt_ids + self.tokens),
+            block_hashes=hashes, exclude_node_ids=list(self.excluded))
         timeline.link(self.request.request_id, asked.request_id)
         timeline.mark("gateway.route_sent", self.request.request_id)
-        route = await self.meta.route(asked, timeout=min(self.timeouts.route_s, _remaining(self.deadline)),
-                                      deadline=self.deadline)
+        route = await self.meta.route(asked, timeout=min(self.timeouts.route_s, _remaining(wait_end)),
+                                      deadline=wait_end)
         timeline.mark("gateway.routed", self.request.request_id)
         return route
 

@@ -71,13 +71,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._hash_args: tuple[int, str, str] | None = None   # block_size, model_id, layout
         self.metrics = GatewayMetrics()   # every request that passed validation (services/gateway/metrics.py)
 
-    async def _block_hashes(self, ids: list[int]) -> list[bytes]:
+    async def _block_hashes(self, ids: list[int], deadline: float | None = None) -> list[bytes]:
         """The prompt's block hash chain as the nodes compute it (for cache-aware routing);
-        block size and layout come from the first live node of our model; [] if none yet."""
+        block size and layout come from the first live node of our model; [] if none yet.
+        deadline: time.monotonic() the meta-server is asked until, at most."""
         if self._hash_args is None:
             try:
                 members = await self.meta.call("ListMembers", meta_pb2.ListMembersRequest(),
-                                               timeout=self.timeouts.route_s)
+                                               timeout=self.timeouts.route_s, deadline=deadline)
             except grpc.aio.AioRpcError:
                 return []
             for n in members.nodes:

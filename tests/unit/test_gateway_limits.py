@@ -245,7 +245,7 @@ def test_mesh_errors_are_plain_words_with_an_error_id_the_log_has(model, caplog,
 def test_an_unexpected_exception_is_internal_with_the_traceback_only_in_the_log(model, caplog):
     async def scenario():
         async with Mesh(model, LimitsConfig(), FakeDecode()) as mesh:
-            async def broken(ids):
+            async def broken(ids, deadline=None):
                 raise KeyError("ipv4:127.0.0.1:1 <class 'x'>")
             mesh.gateway._block_hashes = broken
             return await refused(mesh, request())

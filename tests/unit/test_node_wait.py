@@ -86,3 +86,50 @@ def test_a_full_mesh_is_not_waited_for(model):
 
     err, waits = asyncio.run(scenario())
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and waits == 0 and node.calls == 1
+
+
+def test_a_node_that_keeps_refusing_ends_the_wait_at_node_wait_s_not_the_deadline(model):
+    """Refused again every time its exclusion lapses (it heartbeats but the gateway cannot
+    reach it): the wait is the request's, so it ends UNAVAILABLE after node_wait_s (1 s)
+    with a bounded number of tries, not at the client's 20 s deadline."""
+    node = FakeDecode((grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses"))
+
+    async def scenario():
+        async with Mesh(model, decode=node, timeouts=TimeoutConfig(node_wait_s=1.0), exclusion_lapse_s=0.2) as mesh:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await mesh.generate(request(), timeout=20)
+            return err.value
+
+    err = asyncio.run(scenario())
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert err.details().startswith("no decode node is available now; retry later (error id ")
+    assert 2 <= node.calls <= 15
+
+
+def test_a_meta_server_that_is_down_ends_the_wait_unavailable_within_node_wait_s(model):
+    """The meta client follows the leader for meta_follow_s (8 s) a call; the wait (1 s)
+    bounds those calls too, so the client hears UNAVAILABLE, not its own 6 s deadline."""
+    async def scenario():
+        async with Mesh(model, timeouts=TimeoutConfig(node_wait_s=1.0)) as mesh:
+            await mesh.meta.stop(None)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await mesh.generate(request(), timeout=6)
+            return err.value
+
+    err = asyncio.run(scenario())
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert err.details().startswith("the mesh cannot route requests now; retry later (error id ")
+
+
+def test_a_client_deadline_sooner_than_the_wait_still_hears_unavailable(model):
+    """No poll left before the client's 1 s deadline: UNAVAILABLE (what retry policies
+    retry), not DEADLINE_EXCEEDED."""
+    async def scenario():
+        async with Mesh(model, timeouts=TimeoutConfig(node_wait_s=20.0)) as mesh:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await mesh.generate(request(), timeout=1.0)
+            return err.value
+
+    err = asyncio.run(scenario())
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert err.details().startswith("no decode node is available now; retry later (error id ")
