@@ -145,6 +145,7 @@ class RequestStream:
         started = time.monotonic()
         waited_from = None         # this call's part of the wait (the metrics)
         hashes = None              # the prompt does not change while it waits
+        answered = None            # the last answer that was not a call cut by the wait's own end
         try:
             while True:
                 wait_end = min(self.deadline, (self.no_node_since or started) + self.timeouts.node_wait_s)
@@ -153,6 +154,10 @@ class RequestStream:
                         hashes = await self.block_hashes(self.prompt_ids + self.tokens, deadline=wait_end)
                     return await self._route_once(hashes, wait_end)
                 except grpc.aio.AioRpcError as e:
+                    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and answered is not None:
+                        e = answered       # the call ran out of the wait: what the mesh said before
+                    elif e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                        answered = e
                     said = f"Route: {e.code().name} {e.details()}"
                     now = time.monotonic()
                     if now >= self.deadline:
@@ -162,8 +167,8 @@ class RequestStream:
                         raise self._route_error(e, said) from None
                     if self.no_node_since is None:
                         self.no_node_since = started
-                    # past the wait, or no poll left before the deadline: UNAVAILABLE (what a
-                    # client's retry policy retries), not the deadline's status
+                    # the wait is over, or no poll is left before the deadline: UNAVAILABLE
+                    # (what a client's retry policy retries), not the deadline's status
                     if now >= wait_end or now + NODE_WAIT_POLL_S >= self.deadline:
                         raise self._route_error(e, said) from None
                     if waited_from is None:
@@ -172,7 +177,7 @@ class RequestStream:
                                  self.request.request_id, said, wait_end - now)
                         if self.metrics is not None:
                             self.metrics.node_waiting.inc()
-                    await asyncio.sleep(NODE_WAIT_POLL_S)
+                    await asyncio.sleep(min(NODE_WAIT_POLL_S, wait_end - now))
         finally:
             if waited_from is not None and self.metrics is not None:
                 self.metrics.node_waiting.dec()

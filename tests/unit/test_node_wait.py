@@ -56,7 +56,7 @@ def test_no_node_within_node_wait_s_is_unavailable_after_the_wait(model):
     err, waits, waited_s, waiting = asyncio.run(scenario())
     assert err.code() == grpc.StatusCode.UNAVAILABLE
     assert err.details().startswith("no decode node is available now; retry later (error id ")
-    assert (waits, waiting) == (1, 0) and waited_s >= 0.5
+    assert (waits, waiting) == (1, 0) and waited_s >= 0.4       # from its first answer to the wait's end
 
 
 def test_a_node_the_request_failed_on_is_routed_to_again_once_its_exclusion_lapsed(model):
