@@ -95,6 +95,9 @@ class CpuBackend(RefBackend):
         if device is not None and torch.device(device).type != "cpu":
             raise ImportError(f"the cpu kernel backend runs on device cpu only, not {device}")
         self.extension = cpu_kernels()
+        # (a step's DecodeMetadata, which of its sequences' blocks are consecutive): every
+        # MLA layer of the step shares it, so it is computed once a step, not once a layer
+        self._consecutive: tuple[DecodeMetadata | None, list[bool]] = (None, [])
 
     @property
     def int8_path(self) -> str:
@@ -160,7 +163,10 @@ class CpuBackend(RefBackend):
         place (kernels/mla_cpu_decode.py, every head at once); the rest on the paged kernel."""
         if len(planes) != 1 or query.shape[0] == 0:
             return super().mla_decode(query, planes, meta, scale, kv_lora_rank)
-        in_place = consecutive(meta, planes[0].shape[1])
+        cached_meta, in_place = self._consecutive
+        if cached_meta is not meta:
+            in_place = consecutive(meta, planes[0].shape[1])
+            self._consecutive = (meta, in_place)    # swapped whole: threads sharing it at worst recompute
         if not any(in_place):
             return super().mla_decode(query, planes, meta, scale, kv_lora_rank)
         if all(in_place):
