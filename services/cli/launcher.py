@@ -1,9 +1,10 @@
 """Starts a whole mesh as separate processes on this host (`pdmesh up`, integration tests).
 
 Order: meta-server -> kv-store (when configured) -> engine nodes -> gateway. Port 0 in the config means "pick a free
-port"; the choice is passed to each process with --port / --meta. Each start waits for
-grpc.health.v1 SERVING (and, for engine nodes, for their registration at the
-meta-server) and prints one status line per service, with its cores and, when it serves
+port" (one that no other port of the mesh has, planned or configured); the choice is passed to each process with
+--port / --meta. Each start waits for grpc.health.v1 SERVING from the service's own process (a stranger that took
+its port would answer SERVING too) and, for engine nodes, for their registration at the
+meta-server, and prints one status line per service, with its cores and, when it serves
 metrics (its metrics_port), where: http://HOST:PORT/metrics. Standby meta-servers share
 meta_server's config, so each gets a free metrics port of its own (--metrics-port).
 
@@ -80,11 +81,45 @@ class Service:
         return f"{self.http_scheme}://{self.host}:{self.http_port}" if self.http_port else ""
 
 
+def listening_ports(pid: int) -> set[int] | None:
+    """The TCP ports process pid listens on (from /proc; set() once it has exited), or
+    None where the OS has no /proc to read them from."""
+    if not os.path.isdir("/proc/self/fd"):
+        return None
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return set()
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue        # closed meanwhile
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:    # sl local_address rem_address st ... inode
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in inodes:    # 0A: LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def wait_healthy(address: str, timeout_s: float, process: subprocess.Popen | None = None,
                  tls=None) -> None:
-    """tls: TLSFiles (the CA and the admin certificate) when the mesh runs TLS."""
+    """Until address answers SERVING; with process, only once that process listens on
+    the address's port (another server that took the port answers SERVING as well); a
+    RuntimeError when process exits first. tls: TLSFiles (the CA and the admin
+    certificate) when the mesh runs TLS."""
     from services.security.client_auth import client_channel
     deadline = time.monotonic() + timeout_s
+    port = int(address.rsplit(":", 1)[1])
     with client_channel(address, tls=tls, sync=True) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
@@ -92,7 +127,8 @@ def wait_healthy(address: str, timeout_s: float, process: subprocess.Popen | Non
                 raise RuntimeError(f"process for {address} exited with code {process.returncode}")
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                if reply.status == health_pb2.HealthCheckResponse.SERVING and (
+                        process is None or (ports := listening_ports(process.pid)) is None or port in ports):
                     return
             except grpc.RpcError:
                 pass
@@ -111,14 +147,28 @@ class MeshProcesses:
     borrow_cores: bool = True           # lend the decode node the prefill nodes' idle cores
     services: dict[str, Service] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)   # set for every service's process
+    planned_ports: set[int] = field(default_factory=set)   # configured or planned for a service of this mesh
 
     def _say(self, line: str) -> None:
         if not self.quiet:
             print(line, flush=True)
 
+    def _new_port(self, host: str) -> int:
+        """A free port on host that no service of this mesh is configured with or was
+        planned on: free_port's answer is free only until another process binds it, so
+        two calls may return one port, and a retry's new port may be one planned for a
+        service not started yet. Adds it to planned_ports."""
+        for _ in range(100):
+            port = free_port(host)
+            if port not in self.planned_ports:
+                self.planned_ports.add(port)
+                return port
+        raise RuntimeError(f"no free port on {host} that this mesh has not planned already")
+
     def _plan(self) -> None:
         m = self.mesh
-        meta_port = m.meta.port or free_port(m.meta.host)
+        self.planned_ports = {port for _, _, port in self._fixed_ports() if port}
+        meta_port = m.meta.port or self._new_port(m.meta.host)
         meta_host = m.meta.advertise_host or m.meta.host
         self.meta_address = f"{meta_host}:{meta_port}"
         self.services["meta-server"] = Service("meta-server", "meta-server", meta_host, meta_port,
@@ -126,9 +176,9 @@ class MeshProcesses:
                                                metrics_port=m.meta.metrics_port, port_planned=not m.meta.port)
         self.meta_addresses = [self.meta_address]
         for i in range(1, m.meta.standbys + 1):
-            port = free_port(m.meta.host)
+            port = self._new_port(m.meta.host)
             name = f"meta-server-{i}"
-            metrics_port = free_port(m.meta.host) if m.meta.metrics_port else 0
+            metrics_port = self._new_port(m.meta.host) if m.meta.metrics_port else 0
             self.services[name] = Service(name, "meta-server", meta_host, port,
                                           ["--metrics-port", str(metrics_port)] if metrics_port else [],
                                           self.log_dir / f"{name}.log", metrics_port=metrics_port)
@@ -136,18 +186,18 @@ class MeshProcesses:
         self.kv_store_address = ""
         if m.kv_store is not None:
             kv = m.kv_store
-            port = kv.port or free_port(kv.host)
+            port = kv.port or self._new_port(kv.host)
             self.services["kv-store"] = Service("kv-store", "kv-store", kv.advertise_host or kv.host,
                                                 port, [], self.log_dir / "kv-store.log",
                                                 metrics_port=kv.metrics_port)
             self.kv_store_address = self.services["kv-store"].address
         for node in m.nodes:
-            port = node.port or free_port(node.host)
+            port = node.port or self._new_port(node.host)
             self.services[node.node_id] = Service(node.node_id, node.role, node.advertised_host, port,
                                                   ["--node-id", node.node_id],
                                                   self.log_dir / f"{node.node_id}.log",
                                                   metrics_port=node.metrics_port, port_planned=not node.port)
-        gw_port = m.gateway.port or free_port(m.gateway.host)
+        gw_port = m.gateway.port or self._new_port(m.gateway.host)
         # a wildcard bind is dialled on the loopback: an address that TLS certificates name
         gw_host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "[::1]", "[::]": "[::1]"}.get(m.gateway.host,
                                                                                                m.gateway.host)
@@ -176,8 +226,8 @@ class MeshProcesses:
         for name, share in plan.items():
             self.services[name].cpu = share
 
-    def _check_ports(self) -> None:
-        """Fixed ports must be free: a stranger there would answer our health checks."""
+    def _fixed_ports(self) -> list[tuple[str, str, int]]:
+        """(what, bind host, port) of every port the config names (0: planned instead)."""
         m = self.mesh
         fixed = [("meta-server", m.meta.host, m.meta.port), ("gateway", m.gateway.host, m.gateway.port),
                  ("gateway HTTP", m.gateway.host, m.gateway.http_port),
@@ -185,7 +235,11 @@ class MeshProcesses:
                  *((n.node_id, n.host, n.port) for n in m.nodes)]
         if m.kv_store is not None:
             fixed.append(("kv-store", m.kv_store.host, m.kv_store.port))
-        fixed += [(f"{name} metrics", host, port) for name, host, port in self._metrics_ports()]
+        return fixed + [(f"{name} metrics", host, port) for name, host, port in self._metrics_ports()]
+
+    def _check_ports(self) -> None:
+        """Fixed ports must be free: a stranger there would answer our health checks."""
+        fixed = self._fixed_ports()
         seen: dict[tuple[str, int], str] = {}
         for name, host, port in fixed:
             if port and (host, port) in seen:
@@ -265,24 +319,25 @@ class MeshProcesses:
         token = admin_token(self.mesh.security.admin_token_file, environ=self.environ, address=self.meta_address)
         return client_channel(self.meta_address, bearer=token, tls=self.client_tls(), sync=True)
 
-    def _wait_healthy(self, svc: Service, timeout_s: float) -> None:
-        """The leading meta-server, a node or the gateway whose planned port was taken
-        between planning and binding (free_port's answer is free only until another process
-        binds it; the ranks' gloo and the transfer engines bind ephemeral ports too) starts
-        again on another, up to BIND_RETRIES times: nothing knew its address yet (the
-        meta-server is up before anything else starts; a node registers once healthy).
-        Standby meta-servers and the kv-store are not retried: the nodes starting beside
-        them were given their addresses."""
+    def _wait_healthy(self, svc: Service, timeout_s: float, replan: bool = True) -> None:
+        """Until svc's own process serves (wait_healthy). With replan, the leading
+        meta-server, a node or the gateway whose planned port was taken between planning
+        and binding (free_port's answer is free only until another process binds it; the
+        ranks' gloo and the transfer engines bind ephemeral ports too) starts again on a
+        new port (_new_port), up to BIND_RETRIES times: at the mesh's start nothing knew its
+        address yet (the meta-server is up before anything else starts; a node registers
+        once healthy). Standby meta-servers and the kv-store are not retried: the nodes
+        starting beside them were given their addresses."""
         for attempt in range(BIND_RETRIES + 1):
             try:
                 wait_healthy(svc.address, timeout_s, svc.process, tls=self.client_tls())
                 return
             except RuntimeError:
                 taken = svc.process is not None and svc.process.poll() == BIND_EXIT_CODE
-                if not (taken and svc.port_planned and attempt < BIND_RETRIES):
+                if not (taken and replan and svc.port_planned and attempt < BIND_RETRIES):
                     raise
             old = svc.port
-            svc.port = free_port(self._bind_host(svc))
+            svc.port = self._new_port(self._bind_host(svc))
             if svc.name == "meta-server":
                 self.meta_address = self.meta_addresses[0] = svc.address
             self._say(f"{svc.name:<12} port {old} was taken meanwhile; starting again on {svc.port}")
@@ -350,12 +405,14 @@ class MeshProcesses:
 
     def restart(self, name: str, timeout_s: float = 60.0, env: dict[str, str] | None = None) -> None:
         """Start a stopped or killed service again with the same arguments (and, when
-        given, env as its own environment from now on)."""
+        given, env as its own environment from now on). Only an engine node moves to a new
+        port when its planned one was taken meanwhile (it registers the new address); the
+        others' addresses are held by the services and clients that were given them."""
         svc = self.services[name]
         if env is not None:
             svc.env = dict(env)
         self._spawn(svc)
-        self._wait_healthy(svc, timeout_s)
+        self._wait_healthy(svc, timeout_s, replan=svc.role in ("prefill", "decode", "both"))
         self._say(svc.status("restarted"))
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
