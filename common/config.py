@@ -9,6 +9,7 @@ from typing import Any
 # parts of the config defined apart for their length, re-exported here
 from common.engine_config import DEVICES, DTYPES, KERNEL_BACKENDS, EngineConfig  # noqa: F401
 from common.timeouts import TimeoutConfig  # noqa: F401
+from common.planner_config import PlannerConfig  # noqa: F401
 # engine fields a node may not override: nodes exchange KV, and these change what it holds
 MESH_WIDE_ENGINE_FIELDS = {"lm_head_quantization"}
 
@@ -68,8 +69,10 @@ class MetaConfig:
     advertise_host: str = ""            # "" = host
     metrics_port: int = 0               # GET /metrics on host (0 = off); standbys get free ports
     dashboard_port: int = 0             # GET /dashboard, /api/cluster on host (0 = off; admin token)
+    planner: PlannerConfig = PlannerConfig()   # section meta_server.planner (common/planner_config.py)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "planner", PlannerConfig.from_dict(self.planner))   # YAML gives a mapping
         check_metrics_port("meta_server", self.metrics_port)
         check_optional_port("meta_server.dashboard_port", self.dashboard_port)
         if self.policy not in POLICIES:

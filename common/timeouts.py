@@ -65,6 +65,10 @@ class TimeoutConfig:
                       Longer than a node's pause plus one membership TTL (its
                       re-registration); the request's deadline (request_s, or the
                       client's) bounds it anyway, so a longer one is not an error.
+    load_report_s     the gateway's ReportRequests call (finished requests' statistics for the
+                      meta-server's planner, sent every few seconds off every request's
+                      path), leader following included; a report that takes longer is
+                      dropped: a slow or absent meta-server costs one report, never a request.
     """
 
     transfer_s: float = 5.0
@@ -80,6 +84,7 @@ class TimeoutConfig:
     progress_s: float = 2.0
     stall_s: float = 10.0
     node_wait_s: float = 30.0
+    load_report_s: float = 2.0
 
     @property
     def transfer_bound_s(self) -> float:

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from common.config import LimitsConfig, MetaConfig
+from common.config import LimitsConfig, MetaConfig, PlannerConfig
 from common.model.tokenizer import Tokenizer
 from common.timeouts import TimeoutConfig
 from protos.pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc, meta_pb2, meta_pb2_grpc
@@ -57,20 +57,28 @@ class Mesh:
     def __init__(self, model_dir: Path, limits: LimitsConfig = LimitsConfig(),
                  decode: FakeDecode | None = None, max_model_len: int = MAX_MODEL_LEN, register: str = "wire",
                  timeouts: TimeoutConfig = TimeoutConfig(node_wait_s=NODE_WAIT_S), ttl_s: float = 60.0,
-                 exclusion_lapse_s: float | None = None):
-        """exclusion_lapse_s: how long a request keeps off a node it failed on (default the TTL)."""
+                 exclusion_lapse_s: float | None = None, planner: PlannerConfig = PlannerConfig(),
+                 report_every_s: float = 0.0):
+        """exclusion_lapse_s: how long a request keeps off a node it failed on (default the TTL);
+        planner: the meta-server's (its timer stopped: a test ends intervals with tick());
+        report_every_s: the gateway's reports to it (0 = none)."""
         self.model_dir, self.limits, self.decode_servicer = model_dir, limits, decode
         self.max_model_len, self.register, self.timeouts, self.ttl_s = max_model_len, register, timeouts, ttl_s
         self.exclusion_lapse_s = ttl_s if exclusion_lapse_s is None else exclusion_lapse_s
+        self.planner, self.report_every_s = planner, report_every_s
         self.decode_servers: list[grpc.aio.Server] = []
 
     async def __aenter__(self) -> "Mesh":
-        self.meta, self.meta_port = await create_server(MetaConfig(port=0, ttl_seconds=self.ttl_s))
+        self.meta, self.meta_port = await create_server(MetaConfig(port=0, ttl_seconds=self.ttl_s,
+                                                                   planner=self.planner))
+        if self.meta.control.planner is not None:
+            await self.meta.control.planner.close()
         if self.decode_servicer is not None:
             await self.add_decode(self.decode_servicer)
         self.gateway = GatewayServicer(Tokenizer.from_dir(self.model_dir), "tiny", 1024, self.max_model_len,
                                        f"127.0.0.1:{self.meta_port}", self.timeouts, limits=self.limits,
-                                       membership_ttl_s=self.exclusion_lapse_s)
+                                       membership_ttl_s=self.exclusion_lapse_s,
+                                       report_every_s=self.report_every_s)
         self.server = grpc.aio.server(options=grpc_util.CHANNEL_OPTIONS)
         if self.register == "wire":
             add_gateway_to_server(self.gateway, self.server)

@@ -9,6 +9,8 @@ the meta-server's pdmesh.v1.MetaAdmin API.
                      to keep it out of service)
     policy [NAME]    show, or set to round_robin | least_load | cache_aware
     stats            requests routed (total, per node), cluster free/total blocks
+    planner          the planner's last decision: per role the nodes now, the formula's
+                     count, the count to run and why, and the load it read (docs/planner.md)
 
 A readable table by default, JSON with --json. --meta defaults to $PDMESH_META, else the
 mesh `pdmesh up` is running, else 127.0.0.1:50051. The admin token comes from
@@ -24,7 +26,7 @@ import json
 import os
 import sys
 
-ACTIONS = ("nodes", "drain", "undrain", "remove", "policy", "stats")
+ACTIONS = ("nodes", "drain", "undrain", "remove", "policy", "stats", "planner")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -44,6 +46,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     actions.add_parser("policy", parents=[common], help="show or set the routing policy").add_argument(
         "name", nargs="?", default="", metavar="NAME")
     actions.add_parser("stats", parents=[common], help="routing counts and cluster blocks")
+    actions.add_parser("planner", parents=[common], help="the planner's last decision and why")
     return p
 
 
@@ -111,6 +114,10 @@ def _call(stub, args) -> tuple[object, str]:
             reply = stub.GetPolicy(pb.GetPolicyRequest(), timeout=5)
         result = {"policy": reply.policy, "allowed": list(reply.allowed)}
         return result, f'policy: {reply.policy} (allowed: {", ".join(reply.allowed)})'
+    if args.action == "planner":
+        from services.cli.planner_view import planner_dict, planner_text
+        planner = planner_dict(stub.GetPlanner(pb.GetPlannerRequest(), timeout=5))
+        return planner, planner_text(planner)
     s = stats_dict(stub.GetStats(pb.GetStatsRequest(), timeout=5))
     return s, stats_text(s)
 

@@ -1,5 +1,7 @@
 """`pdmesh bench serve`: the online benchmark users run against a gateway, or against
 any OpenAI-compatible server (vLLM, SGLang, ...) with the same requests and timing.
+`pdmesh bench profile`: one node's measured rates, the profile the planner sizes pools
+with (services/cli/bench_profile.py; docs/planner.md).
 
     pdmesh bench serve --gateway HOST:PORT --dataset random --num-prompts 48 \\
         --request-rate 0.5,1,2,inf --goodput ttft:2000 tpot:100 --out serving.json
@@ -84,10 +86,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--plot", default="", help="the PNG (default: --out with .png; none = no PNG)")
     s.add_argument("--save-detailed", action="store_true",
                    help="per request timings and output token ids in the JSON")
+    from services.cli.bench_profile import add_profile_parser
+    add_profile_parser(actions)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "profile":
+        from services.cli.bench_profile import run_profile
+        return run_profile(args)
     import asyncio
 
     import grpc

@@ -62,6 +62,7 @@ class RequestTimer:
     def __init__(self, metrics: GatewayMetrics, arrival: float):
         self.metrics, self.arrival = metrics, arrival
         self.first_at: float | None = None
+        self.last_at: float | None = None      # the latest reply with tokens
         self.num_tokens = 0
         self.ended = False
         metrics.running.inc()
@@ -72,6 +73,8 @@ class RequestTimer:
         if num_tokens and self.first_at is None:
             self.first_at = now
             m.ttft.observe(now - self.arrival)
+        if num_tokens:
+            self.last_at = now
         self.num_tokens += num_tokens
         m.generation_tokens.inc(num_tokens)
         if finish_reason:
@@ -80,6 +83,16 @@ class RequestTimer:
             m.e2e.observe(now - self.arrival)
             m.prompt_tokens.inc(num_prompt_tokens)
             self.end(finish_reason)
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Arrival -> the first reply with tokens; None before one."""
+        return None if self.first_at is None else self.first_at - self.arrival
+
+    @property
+    def token_gaps_s(self) -> float:
+        """The first reply with tokens -> the latest one (0 before two)."""
+        return 0.0 if self.first_at is None else self.last_at - self.first_at
 
     def end(self, reason: str) -> None:
         """The request ended: `error`, `abort`, or (from on_reply) its finish_reason."""

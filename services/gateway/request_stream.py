@@ -69,10 +69,13 @@ class RequestStream:
     def __init__(self, *, meta: MetaClient, decode: DecodeClient, timeouts: TimeoutConfig,
                  max_migrations: int, model_id: str, tokenizer, prompt_ids: list[int], params,
                  request: gateway_pb2.GenerateRequest, deadline: float, block_hashes,
-                 metrics=None, arrival: float | None = None, exclusion_lapse_s: float = 5.0):
+                 metrics=None, arrival: float | None = None, exclusion_lapse_s: float = 5.0,
+                 load_report=None):
         """metrics: a GatewayMetrics (services/gateway/metrics.py) this request is counted
         in, None = not counted; arrival: the request's time.perf_counter() at the gateway;
-        exclusion_lapse_s: the mesh's membership TTL (meta_server.ttl_seconds)."""
+        exclusion_lapse_s: the mesh's membership TTL (meta_server.ttl_seconds);
+        load_report: a LoadReporter (services/gateway/load_report.py) told of the request
+        when it ends (with metrics only), None = not reported."""
         self.meta, self.decode, self.timeouts = meta, decode, timeouts
         self.max_migrations, self.model_id = max_migrations, model_id
         self.prompt_ids, self.params, self.request, self.deadline = prompt_ids, params, request, deadline
@@ -86,7 +89,7 @@ class RequestStream:
         self.refusals = 0
         self.migrations = 0
         self.last_refusal: tuple[grpc.StatusCode, str] | None = None   # code, internal details
-        self.metrics = metrics
+        self.metrics, self.load_report = metrics, load_report
         self.arrival = time.perf_counter() if arrival is None else arrival
 
     def replies(self) -> AsyncIterator[gateway_pb2.GenerateResponse]:
@@ -106,6 +109,8 @@ class RequestStream:
             raise
         finally:
             timer.end(ended)
+            if self.load_report is not None:
+                self.load_report.add(len(self.prompt_ids), timer.num_tokens, timer.ttft_s, timer.token_gaps_s)
 
     async def _replies(self) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         while True:

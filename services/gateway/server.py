@@ -9,6 +9,7 @@ from common.model.config import load_model_config
 from common.model.tokenizer import Tokenizer
 from protos.pdmesh.v1 import gateway_pb2
 from services.node import grpc_util
+from services.gateway.load_report import report_every_s
 from services.gateway.servicer import GatewayServicer
 from services.gateway.wire import add_gateway_to_server
 
@@ -31,7 +32,9 @@ async def create_server(mesh: MeshConfig, port: int | None = None, credentials=N
                                mcfg.vocab_size, max_model_len(mesh, mcfg.max_position_embeddings),
                                list(mesh.gateway.meta_addresses) or [mesh.meta.address],
                                mesh.timeouts, mesh.gateway.max_migrations, limits=mesh.limits,
-                               membership_ttl_s=mesh.meta.ttl_seconds)
+                               membership_ttl_s=mesh.meta.ttl_seconds,
+                               report_every_s=report_every_s(mesh.meta.planner.interval_s)
+                               if mesh.meta.planner.enabled else 0.0)
     if credentials is None:
         from services.security.credentials import install_default, load_credentials
         credentials = load_credentials(mesh.security, "gateway", mesh.gateway.api_keys_file)

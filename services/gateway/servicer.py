@@ -35,6 +35,7 @@ from protos.pdmesh.v1 import gateway_pb2, gateway_pb2_grpc, meta_pb2
 from services.convert import sampling_from_proto
 from services.gateway import public_errors
 from services.gateway.decode_client import DecodeClient
+from services.gateway.load_report import LoadReporter
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.meta_client import MetaClient
 from services.gateway.public_errors import PublicError
@@ -54,11 +55,14 @@ class UnknownModel(ValueError):
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Register with services.gateway.wire.add_gateway_to_server (invalid UTF-8 is then
     INVALID_ARGUMENT); close() when the server stopped. membership_ttl_s: the mesh's
-    meta_server.ttl_seconds (how long a request keeps off a node it failed on)."""
+    meta_server.ttl_seconds (how long a request keeps off a node it failed on).
+    report_every_s > 0: every request that ended is reported to the meta-server's planner
+    that often (services/gateway/load_report.py; self.load_report); 0 = never."""
 
     def __init__(self, tokenizer: Tokenizer, model_id: str, vocab_size: int, max_model_len: int,
                  meta_addresses: list[str] | str, timeouts: TimeoutConfig = TimeoutConfig(),
-                 max_migrations: int = 3, limits: LimitsConfig = LimitsConfig(), membership_ttl_s: float = 5.0):
+                 max_migrations: int = 3, limits: LimitsConfig = LimitsConfig(), membership_ttl_s: float = 5.0,
+                 report_every_s: float = 0.0):
         self.tokenizer, self.model_id = tokenizer, model_id
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         if isinstance(meta_addresses, str):
@@ -70,6 +74,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.tokenizer_pool = TokenizerPool(tokenizer, limits.tokenizer_threads)
         self._hash_args: tuple[int, str, str] | None = None   # block_size, model_id, layout
         self.metrics = GatewayMetrics()   # every request that passed validation (services/gateway/metrics.py)
+        self.load_report = (LoadReporter(self.meta, report_every_s, timeouts.load_report_s)
+                            if report_every_s > 0 else None)
 
     async def _block_hashes(self, ids: list[int], deadline: float | None = None) -> list[bytes]:
         """The prompt's block hash chain as the nodes compute it (for cache-aware routing);
@@ -137,7 +143,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                              max_migrations=self.max_migrations, model_id=self.model_id,
                              tokenizer=self.tokenizer, prompt_ids=ids, params=params, request=request,
                              deadline=deadline, block_hashes=self._block_hashes,
-                             metrics=self.metrics, arrival=arrival, exclusion_lapse_s=self.membership_ttl_s)
+                             metrics=self.metrics, arrival=arrival, exclusion_lapse_s=self.membership_ttl_s,
+                             load_report=self.load_report)
 
     async def replies(self, stream: RequestStream) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """stream's replies; every failure as PublicError. Closing this iterator (or
@@ -203,6 +210,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             id=self.model_id, max_model_len=self.max_model_len, vocab_size=self.vocab_size)])
 
     async def close(self) -> None:
+        if self.load_report is not None:
+            await self.load_report.close()
         await self.meta.close()
         await self.decode.close()
         self.tokenizer_pool.close()

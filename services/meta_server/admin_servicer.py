@@ -8,6 +8,33 @@ import grpc
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
 from services.meta_server.admin_state import AdminStateUnavailableError
 from services.meta_server.control import MetaControl, NodeStatus, UnknownNodeError
+from services.meta_server.planner import ROLES
+from services.meta_server.planner_loop import PlannerLoop
+
+
+def planner_proto(loop: PlannerLoop | None) -> meta_pb2.GetPlannerResponse:
+    """The planner's settings and last decision (GetPlanner); enabled = False when off."""
+    if loop is None:
+        return meta_pb2.GetPlannerResponse(enabled=False)
+    cfg = loop.cfg
+    reply = meta_pb2.GetPlannerResponse(
+        enabled=True, interval_s=cfg.interval_s, ttft_slo_ms=cfg.ttft_slo_ms, itl_slo_ms=cfg.itl_slo_ms,
+        min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes, profile=cfg.profile, num_decisions=loop.num_decisions)
+    last = loop.last
+    if last is None:
+        return reply
+    s, d = last.inputs.sample, last.decision
+    reply.seconds_since_decision = max(loop.clock() - last.at, 0.0)
+    reply.inputs.CopyFrom(meta_pb2.PlannerInputs(
+        interval_s=last.inputs.interval_s, num_requests=s.requests, request_rate=last.inputs.request_rate,
+        mean_prompt_tokens=s.mean_prompt_tokens, mean_output_tokens=s.mean_output_tokens,
+        prefix_hit_rate=s.prefix_hit_rate, prefill_queue_tokens=s.prefill_queue_tokens,
+        decode_kv_usage=last.inputs.decode_kv_usage, observed_ttft_s=s.observed_ttft_s or 0.0,
+        observed_itl_s=s.observed_itl_s or 0.0, prefill_nodes=s.prefill_nodes, decode_nodes=s.decode_nodes))
+    current = {"prefill": s.prefill_nodes, "decode": s.decode_nodes}
+    reply.roles.extend(meta_pb2.PlannerRole(role=role, current_nodes=current[role], wanted_nodes=d.wanted[role],
+                                            desired_nodes=d.nodes[role], reason=d.reasons[role]) for role in ROLES)
+    return reply
 
 
 def node_status_proto(status: NodeStatus) -> meta_pb2.NodeStatus:
@@ -79,3 +106,6 @@ class MetaAdminServicer(meta_pb2_grpc.MetaAdminServicer):
             policy=s.policy, num_routed=s.num_routed, num_local_prefill=s.num_local_prefill,
             nodes=[meta_pb2.NodeRouteCount(node_id=n, role=r, num_routed=c) for n, r, c in s.routed_by_node],
             free_blocks=s.free_blocks, total_blocks=s.total_blocks)
+
+    async def GetPlanner(self, request, context):
+        return planner_proto(self.control.planner)

@@ -66,6 +66,7 @@ class MetaControl:
         self.candidate_id = ""
         self.leader_ready = True        # False while a new leader reloads the admin state
         self.take_over_task = None
+        self.planner = None             # a PlannerLoop when meta_server.planner is enabled (server.py)
         # (node_id, role, policy) -> requests routed there under that policy; never
         # forgotten (Prometheus counters: services/meta_server/metrics.py)
         self.routed_total: Counter[tuple[str, str, str]] = Counter()

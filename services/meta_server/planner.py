@@ -36,30 +36,9 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
+from common.planner_config import PlannerConfig  # noqa: F401  (the settings; re-exported)
+
 ROLES = ("prefill", "decode")
-
-
-@dataclass(frozen=True)
-class PlannerConfig:
-    interval_s: float = 30.0
-    ttft_slo_ms: float = 1000.0
-    itl_slo_ms: float = 100.0
-    min_nodes: int = 1
-    max_nodes: int = 8
-    scale_down_after: int = 3
-    cooldown_s: float = 120.0
-
-    def __post_init__(self) -> None:
-        for name in ("interval_s", "ttft_slo_ms", "itl_slo_ms"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"meta_server.planner.{name} must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.min_nodes <= self.max_nodes:
-            raise ValueError(f"meta_server.planner needs 0 <= min_nodes <= max_nodes, got {self.min_nodes} "
-                             f"and {self.max_nodes}")
-        if self.scale_down_after < 1 or self.cooldown_s < 0:
-            raise ValueError("meta_server.planner.scale_down_after must be >= 1 and cooldown_s >= 0")
-
-
 CORRECTION_RANGE = (0.25, 4.0)   # observed / profiled: beyond it one interval says more about noise
 
 

@@ -105,6 +105,9 @@ class Router:
         # prompt blocks routed, and of those the ones the prefilling node was predicted to
         # hold (its PrefixIndex): the router's prefix hit rate (dashboard)
         self.num_query_blocks = self.num_hit_blocks = 0
+        # prompt tokens routed, and of those the ones a cache was predicted to hold (the
+        # prefilling node's index, or the kv-store's leading hits): the planner's hit rate
+        self.num_prompt_tokens_routed = self.num_hit_tokens_routed = 0
         self.routed_by_node: Counter[str] = Counter()
         self.node_roles: dict[str, str] = {}
         self.num_tp_refused = 0            # requests prefilled locally: no prefill node's TP fits
@@ -132,7 +135,7 @@ class Router:
             ranked = self._rank("prefill", prefills, policy, hashes, request.store_hit_blocks)
         decision = RouteDecision(decode, ranked[0] if ranked else None,
                                  self.index.prefix_hit(decode.node_id, hashes), ranked[1:])
-        self._record(decision, hashes)
+        self._record(decision, request)
         return decision
 
     def _tp_compatible(self, decode: Member, prefills: list[Member]) -> list[Member]:
@@ -183,10 +186,17 @@ class Router:
         hit = max(self.index.prefix_hit(member.node_id, hashes), shared_hit_blocks)
         return (len(hashes) - hit) + self.load_penalty_blocks * member.load_score()
 
-    def _record(self, decision: RouteDecision, hashes: tuple[bytes, ...]) -> None:
+    def _record(self, decision: RouteDecision, request: RouteRequest) -> None:
+        hashes = request.block_hashes
         prefiller = decision.prefill or decision.decode     # its predicted hit, before recording
+        hit_blocks = self.index.prefix_hit(prefiller.node_id, hashes)
         self.num_query_blocks += len(hashes)
-        self.num_hit_blocks += self.index.prefix_hit(prefiller.node_id, hashes)
+        self.num_hit_blocks += hit_blocks
+        if decision.prefill is not None:   # the kv-store's blocks are a read away for a prefill node
+            hit_blocks = max(hit_blocks, request.store_hit_blocks)
+        self.num_prompt_tokens_routed += request.num_prompt_tokens
+        self.num_hit_tokens_routed += min(hit_blocks * prefiller.info.kv_layout.block_size,
+                                          request.num_prompt_tokens)
         for m in (decision.decode, decision.prefill):
             if m is not None:
                 m.routed_since_heartbeat += 1

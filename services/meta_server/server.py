@@ -11,6 +11,10 @@ admin_state: where drained nodes and the policy live; default in memory seeded w
 cfg.policy, or in etcd (StoreAdminState) when `etcd` is given, or the caller's; its
 load() is awaited before serving, so a restarted meta-server routes as before (a stored
 policy wins over cfg.policy).
+
+Planner (cfg.planner.enabled): its profile is loaded before anything binds (ProfileError,
+a ValueError naming the file, otherwise); then control.planner is a PlannerLoop deciding
+every cfg.planner.interval_s (services/meta_server/planner_loop.py), else None.
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ from services.meta_server.admin_state import (AdminState, AdminStateUnavailableE
                                               StoreAdminState)
 from services.meta_server.control import MetaControl
 from services.meta_server.metrics import meta_registry
+from services.meta_server.planner_loop import PlannerLoop
+from services.meta_server.profile_file import load_profile
 from services.meta_server.registry import create_registry
 from services.meta_server.store_hits import StoreHits
 from services.meta_server.router import Router
@@ -49,6 +55,7 @@ async def create_server(cfg: MetaConfig, port: int | None = None,
     the process's: services/security/credentials.py). PlaintextBindError before anything
     starts when the dashboard (plain HTTP, the admin token on the wire) would bind a
     non-loopback host without security.allow_plaintext."""
+    profile = load_profile(cfg.planner.profile) if cfg.planner.enabled else None   # before anything starts
     if cfg.dashboard_port:
         from services.security.bind_policy import check_bind
         from services.security.credentials import process_credentials
@@ -64,6 +71,8 @@ async def create_server(cfg: MetaConfig, port: int | None = None,
     control = MetaControl(create_registry(cfg, cluster),
                           Router(cfg.local_prefill_max_tokens, cfg.prefill_queue_threshold), admin)
     await control.registry.start()
+    if profile is not None:
+        control.planner = PlannerLoop(cfg.planner, profile, control)
     server = grpc_util.new_server(credentials)
     store_hits = StoreHits(kv_store_address, kv_store_lookup_s) if kv_store_address else None
     meta_pb2_grpc.add_MetaServerServicer_to_server(MetaServicer(control, store_hits), server)
@@ -77,11 +86,15 @@ async def create_server(cfg: MetaConfig, port: int | None = None,
         server.metrics_server = await serve_metrics(meta_registry(control), cfg.host, cfg.metrics_port,
                                                     "meta-server")   # None when metrics_port is 0
     server.dashboard = await _dashboard(cfg, control, kv_store_address, credentials)   # None when off
+    if control.planner is not None:
+        control.planner.start()
     if cluster is not None:
         control.candidate_id = f"{cfg.advertise_host or cfg.host}:{bound}"
         await campaign(control, cluster, cfg.ttl_seconds)
 
     async def close_extras() -> None:
+        if control.planner is not None:
+            await control.planner.close()
         if server.metrics_server is not None:
             await server.metrics_server.close()
         if server.dashboard is not None:
@@ -97,6 +110,10 @@ async def create_server(cfg: MetaConfig, port: int | None = None,
     server.close_extras = close_extras
     log.info("meta-server serving at %s:%d (policy %s, ttl %.1fs)", cfg.host, bound, admin.policy(),
              cfg.ttl_seconds)
+    if control.planner is not None:
+        p = cfg.planner
+        log.info("planner: every %gs for TTFT <= %g ms, ITL <= %g ms, %d..%d nodes a role (profile %s)",
+                 p.interval_s, p.ttft_slo_ms, p.itl_slo_ms, p.min_nodes, p.max_nodes, p.profile)
     return server, bound
 
 

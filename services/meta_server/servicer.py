@@ -1,6 +1,7 @@
 """MetaServer gRPC servicer: membership RPCs (taken by the embedded registry; refused
-with FAILED_PRECONDITION where nodes register in etcd) and Route. Thin: converts messages
-to MetaControl calls and maps errors to status codes. Only mesh members reach it
+with FAILED_PRECONDITION where nodes register in etcd), Route, and the gateways'
+ReportRequests for the planner. Thin: converts messages to MetaControl calls (a report to
+the PlannerLoop) and maps errors to status codes. Only mesh members reach it
 (services/security); even so every string a member sends is bounded (INVALID_ARGUMENT),
 and a node_id held by another live process is PERMISSION_DENIED."""
 from __future__ import annotations
@@ -9,6 +10,7 @@ import grpc
 
 from protos.pdmesh.v1 import meta_pb2, meta_pb2_grpc
 from services.meta_server.control import MetaControl
+from services.meta_server.load_window import totals_from_report
 from services.meta_server.node_info_check import MAX_FIELD_CHARS, node_info_error
 from services.meta_server.registry import RegistrationConflictError, RegistrationRefusedError, expert_tokens_of
 from services.meta_server.router import NoNodeError, RouteRequest
@@ -96,3 +98,18 @@ class MetaServicer(meta_pb2_grpc.MetaServerServicer):
 
     async def ListMembers(self, request, context):
         return meta_pb2.ListMembersResponse(nodes=[m.info for m in self.control.live_members()])
+
+    async def ReportRequests(self, request, context):
+        """A gateway's sums for the planner (load_window.py); dropped when it is off."""
+        planner = self.control.planner
+        if planner is None:
+            return meta_pb2.ReportRequestsResponse(accepted=False)
+        standby = self.control.standby_reason()
+        if standby:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, standby)
+        try:
+            totals = totals_from_report(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        planner.report(totals)
+        return meta_pb2.ReportRequestsResponse(accepted=True)

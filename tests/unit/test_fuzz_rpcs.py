@@ -62,6 +62,7 @@ EXTRA_CODES = {
     "/pdmesh.v1.MetaServer/Deregister": set(),
     "/pdmesh.v1.MetaServer/Route": {C.UNAVAILABLE},          # "UNAVAILABLE: no decode node"
     "/pdmesh.v1.MetaServer/ListMembers": set(),
+    "/pdmesh.v1.MetaServer/ReportRequests": {C.FAILED_PRECONDITION},   # "FAILED_PRECONDITION on a standby"
     "/pdmesh.v1.MetaAdmin/ListNodes": set(),
     "/pdmesh.v1.MetaAdmin/DrainNode": {C.NOT_FOUND},         # "Unknown node id: NOT_FOUND"
     "/pdmesh.v1.MetaAdmin/UndrainNode": {C.NOT_FOUND},
@@ -69,6 +70,7 @@ EXTRA_CODES = {
     "/pdmesh.v1.MetaAdmin/GetPolicy": set(),
     "/pdmesh.v1.MetaAdmin/SetPolicy": set(),
     "/pdmesh.v1.MetaAdmin/GetStats": set(),
+    "/pdmesh.v1.MetaAdmin/GetPlanner": set(),
     "/pdmesh.v1.Decode/Generate": set(),
     "/pdmesh.v1.Decode/GetEngineStats": set(),
     "/pdmesh.v1.Prefill/Prefill": {C.CANCELLED},             # "a request id that a CancelPrefill named first"

@@ -249,3 +249,19 @@ def test_a_fitting_prefill_node_is_chosen_over_a_less_loaded_one_that_does_not_f
     heartbeat(nodes[1], running=5)
     decision = Router().route(nodes, req(), "least_load")
     assert ids(decision) == ("d0", "p1") and decision.prefill_fallbacks == []
+
+
+def test_the_planner_s_hit_tokens_count_the_prefilling_node_s_hit_or_the_store_s():
+    """num_hit_tokens_routed: the prefilling node's predicted hit, or the kv-store's leading
+    blocks when a prefill node prefills (any of them reads those), in tokens, at most the prompt."""
+    router, members = Router(), mesh()
+    hashes = hash_block_chain(list(range(100)), BLOCK, "m", "layout")          # 6 full blocks of 16
+    router.route(members, req(100, hashes), "cache_aware")                   # cold: no hit
+    router.route(members, req(100, hashes), "cache_aware")                   # p0 holds the 6 blocks
+    assert (router.num_prompt_tokens_routed, router.num_hit_tokens_routed) == (200, 96)
+    other = hash_block_chain(list(range(200, 300)), BLOCK, "m", "layout")
+    router.route(members, RouteRequest("m", 100, tuple(other), store_hit_blocks=4), "cache_aware")
+    assert (router.num_prompt_tokens_routed, router.num_hit_tokens_routed) == (300, 96 + 64)
+    local = Router(local_prefill_max_tokens=1000)                              # the decode node prefills
+    local.route(members, RouteRequest("m", 100, tuple(other), store_hit_blocks=4), "cache_aware")
+    assert (local.num_prompt_tokens_routed, local.num_hit_tokens_routed) == (100, 0)

@@ -87,6 +87,30 @@ class ListMembersResponse(_message.Message):
     nodes: _containers.RepeatedCompositeFieldContainer[_common_pb2.NodeInfo]
     def __init__(self, nodes: _Optional[_Iterable[_Union[_common_pb2.NodeInfo, _Mapping]]] = ...) -> None: ...
 
+class ReportRequestsRequest(_message.Message):
+    __slots__ = ("num_requests", "prompt_tokens", "output_tokens", "num_first_tokens", "ttft_s_sum", "num_token_gaps", "token_gaps_s_sum")
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_SUM_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKEN_GAPS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_GAPS_S_SUM_FIELD_NUMBER: _ClassVar[int]
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    num_first_tokens: int
+    ttft_s_sum: float
+    num_token_gaps: int
+    token_gaps_s_sum: float
+    def __init__(self, num_requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., num_first_tokens: _Optional[int] = ..., ttft_s_sum: _Optional[float] = ..., num_token_gaps: _Optional[int] = ..., token_gaps_s_sum: _Optional[float] = ...) -> None: ...
+
+class ReportRequestsResponse(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
+
 class NodeStatus(_message.Message):
     __slots__ = ("info", "state", "seconds_since_heartbeat", "num_routed")
     INFO_FIELD_NUMBER: _ClassVar[int]
@@ -190,3 +214,75 @@ class GetStatsResponse(_message.Message):
     free_blocks: int
     total_blocks: int
     def __init__(self, policy: _Optional[str] = ..., num_routed: _Optional[int] = ..., num_local_prefill: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeRouteCount, _Mapping]]] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
+
+class GetPlannerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PlannerInputs(_message.Message):
+    __slots__ = ("interval_s", "num_requests", "request_rate", "mean_prompt_tokens", "mean_output_tokens", "prefix_hit_rate", "prefill_queue_tokens", "decode_kv_usage", "observed_ttft_s", "observed_itl_s", "prefill_nodes", "decode_nodes")
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_RATE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_ITL_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_NODES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_NODES_FIELD_NUMBER: _ClassVar[int]
+    interval_s: float
+    num_requests: int
+    request_rate: float
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+    prefix_hit_rate: float
+    prefill_queue_tokens: int
+    decode_kv_usage: float
+    observed_ttft_s: float
+    observed_itl_s: float
+    prefill_nodes: int
+    decode_nodes: int
+    def __init__(self, interval_s: _Optional[float] = ..., num_requests: _Optional[int] = ..., request_rate: _Optional[float] = ..., mean_prompt_tokens: _Optional[float] = ..., mean_output_tokens: _Optional[float] = ..., prefix_hit_rate: _Optional[float] = ..., prefill_queue_tokens: _Optional[int] = ..., decode_kv_usage: _Optional[float] = ..., observed_ttft_s: _Optional[float] = ..., observed_itl_s: _Optional[float] = ..., prefill_nodes: _Optional[int] = ..., decode_nodes: _Optional[int] = ...) -> None: ...
+
+class PlannerRole(_message.Message):
+    __slots__ = ("role", "current_nodes", "wanted_nodes", "desired_nodes", "reason")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_NODES_FIELD_NUMBER: _ClassVar[int]
+    WANTED_NODES_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_NODES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    current_nodes: int
+    wanted_nodes: int
+    desired_nodes: int
+    reason: str
+    def __init__(self, role: _Optional[str] = ..., current_nodes: _Optional[int] = ..., wanted_nodes: _Optional[int] = ..., desired_nodes: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class GetPlannerResponse(_message.Message):
+    __slots__ = ("enabled", "interval_s", "ttft_slo_ms", "itl_slo_ms", "min_nodes", "max_nodes", "profile", "num_decisions", "seconds_since_decision", "inputs", "roles")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    ITL_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    MIN_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_DECISION_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    ROLES_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    interval_s: float
+    ttft_slo_ms: float
+    itl_slo_ms: float
+    min_nodes: int
+    max_nodes: int
+    profile: str
+    num_decisions: int
+    seconds_since_decision: float
+    inputs: PlannerInputs
+    roles: _containers.RepeatedCompositeFieldContainer[PlannerRole]
+    def __init__(self, enabled: _Optional[bool] = ..., interval_s: _Optional[float] = ..., ttft_slo_ms: _Optional[float] = ..., itl_slo_ms: _Optional[float] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., profile: _Optional[str] = ..., num_decisions: _Optional[int] = ..., seconds_since_decision: _Optional[float] = ..., inputs: _Optional[_Union[PlannerInputs, _Mapping]] = ..., roles: _Optional[_Iterable[_Union[PlannerRole, _Mapping]]] = ...) -> None: ...

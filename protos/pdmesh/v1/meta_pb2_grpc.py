@@ -63,6 +63,11 @@ class MetaServerStub:
                 request_serializer=pdmesh_dot_v1_dot_meta__pb2.ListMembersRequest.SerializeToString,
                 response_deserializer=pdmesh_dot_v1_dot_meta__pb2.ListMembersResponse.FromString,
                 _registered_method=True)
+        self.ReportRequests = channel.unary_unary(
+                '/pdmesh.v1.MetaServer/ReportRequests',
+                request_serializer=pdmesh_dot_v1_dot_meta__pb2.ReportRequestsRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_meta__pb2.ReportRequestsResponse.FromString,
+                _registered_method=True)
 
 
 class MetaServerServicer:
@@ -104,6 +109,15 @@ class MetaServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportRequests(self, request, context):
+        """A gateway's statistics of the client requests that ended since its last report, for
+        the planner (sent every few seconds, never on a request's path). FAILED_PRECONDITION on
+        a standby: only the leader plans. Ignored (accepted = false) when the planner is off.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MetaServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +145,11 @@ def add_MetaServerServicer_to_server(servicer, server):
                     servicer.ListMembers,
                     request_deserializer=pdmesh_dot_v1_dot_meta__pb2.ListMembersRequest.FromString,
                     response_serializer=pdmesh_dot_v1_dot_meta__pb2.ListMembersResponse.SerializeToString,
+            ),
+            'ReportRequests': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportRequests,
+                    request_deserializer=pdmesh_dot_v1_dot_meta__pb2.ReportRequestsRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_meta__pb2.ReportRequestsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -282,6 +301,33 @@ class MetaServer:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def ReportRequests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.MetaServer/ReportRequests',
+            pdmesh_dot_v1_dot_meta__pb2.ReportRequestsRequest.SerializeToString,
+            pdmesh_dot_v1_dot_meta__pb2.ReportRequestsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class MetaAdminStub:
     """Operator API of the meta-server: see and steer the mesh. Unknown node id: NOT_FOUND.
@@ -329,6 +375,11 @@ class MetaAdminStub:
                 '/pdmesh.v1.MetaAdmin/GetStats',
                 request_serializer=pdmesh_dot_v1_dot_meta__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=pdmesh_dot_v1_dot_meta__pb2.GetStatsResponse.FromString,
+                _registered_method=True)
+        self.GetPlanner = channel.unary_unary(
+                '/pdmesh.v1.MetaAdmin/GetPlanner',
+                request_serializer=pdmesh_dot_v1_dot_meta__pb2.GetPlannerRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_meta__pb2.GetPlannerResponse.FromString,
                 _registered_method=True)
 
 
@@ -384,6 +435,14 @@ class MetaAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetPlanner(self, request, context):
+        """The planner's settings and its last decision: the inputs it read and, per role, the
+        nodes now, the formula's count, the count to run and why (docs/planner.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MetaAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -421,6 +480,11 @@ def add_MetaAdminServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=pdmesh_dot_v1_dot_meta__pb2.GetStatsRequest.FromString,
                     response_serializer=pdmesh_dot_v1_dot_meta__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'GetPlanner': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPlanner,
+                    request_deserializer=pdmesh_dot_v1_dot_meta__pb2.GetPlannerRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_meta__pb2.GetPlannerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -615,6 +679,33 @@ class MetaAdmin:
             '/pdmesh.v1.MetaAdmin/GetStats',
             pdmesh_dot_v1_dot_meta__pb2.GetStatsRequest.SerializeToString,
             pdmesh_dot_v1_dot_meta__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPlanner(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.MetaAdmin/GetPlanner',
+            pdmesh_dot_v1_dot_meta__pb2.GetPlannerRequest.SerializeToString,
+            pdmesh_dot_v1_dot_meta__pb2.GetPlannerResponse.FromString,
             options,
             channel_credentials,
             insecure,
