@@ -15,6 +15,7 @@ KERNEL_BACKENDS = ("auto", "ref", "cpu", "npu", "cuda")
 W8A8_MIX_PATHS = ("auto", "static", "dynamic")
 LM_HEAD_QUANTIZATIONS = ("none", "int8")    # common/model/layers/int8_vocab.py
 MOE_DISPATCHES = ("all_reduce", "all_to_all")    # common/model/layers/moe_dispatch.py
+LOAD_FORMATS = ("auto", "disk", "peer")    # services/node/weight_loader.py
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,20 @@ class EngineConfig:
     experts (common/model/layers/moe_dispatch.py): "all_reduce" (every rank routes every
     token; one all-reduce sums the shares; the faster at data parallel 1, the default) or
     "all_to_all" (each rank routes a chunk and sends rows by counts: DeepEP's shape). Needs
-    enable_expert_parallel to mean anything; without it all_to_all is refused."""
+    enable_expert_parallel to mean anything; without it all_to_all is refused.
+
+    load_format: where a node's weights come from (docs/elastic.md). "auto": a live node of
+    the same model identity and sharding (a weight seed) when the mesh has one, read
+    one-sided and checked bucket by bucket, else the next seed, else the disk; "peer": a
+    seed or a clear error (never the disk); "disk": the checkpoint. An engine outside a mesh
+    (LLM) reads the disk whatever it says.
+
+    weight_seed: once loaded, serve the weights to starting nodes (at most
+    max_weight_clients at a time; a node keeps serving requests meanwhile). Costs one host
+    copy of the rank's weights in the checkpoint's form where the backend keeps its own
+    (CPU float weights: the oneDNN-packed copy is the other); registered with the transfer
+    engine only while an admitted loader reads them. weight_bucket_bytes: the unit a seed's
+    weights are checksummed and read in (a loader follows the seed's)."""
 
     model: str
     model_id: str = ""
@@ -84,6 +98,10 @@ class EngineConfig:
     lm_head_quantization: str = "none"
     enable_expert_parallel: bool = False
     moe_dispatch: str = "all_reduce"
+    load_format: str = "auto"
+    weight_seed: bool = True
+    max_weight_clients: int = 2
+    weight_bucket_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
@@ -105,6 +123,12 @@ class EngineConfig:
         if self.moe_dispatch == "all_to_all" and not self.enable_expert_parallel:
             raise ValueError("moe_dispatch: all_to_all needs enable_expert_parallel: true (experts split by "
                              "columns are summed by the all-reduce); allowed without it: all_reduce")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if not isinstance(self.max_weight_clients, int) or self.max_weight_clients < 1:
+            raise ValueError(f"max_weight_clients must be an integer >= 1, got {self.max_weight_clients!r}")
+        if not isinstance(self.weight_bucket_bytes, int) or self.weight_bucket_bytes < 4096:
+            raise ValueError(f"weight_bucket_bytes must be an integer >= 4096, got {self.weight_bucket_bytes!r}")
         for name in ("block_size", "num_blocks", "max_model_len", "num_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = derive), got {getattr(self, name)}")

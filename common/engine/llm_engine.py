@@ -65,16 +65,22 @@ from common.model.config import load_model_config
 from common.model.formats.quantization import quantization_config
 from common.runner.dtypes import dtype_name, resolve_dtype
 from common.runner.model_runner import ModelRunner, load_rank
+from common.runner.weight_source import WeightSource
+from common.model.weight_identity import weights_identity
 from kernels import get_backend
 
 log = logging.getLogger("pdmesh.engine")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, rank_transfer: Callable[[], object] | None = None):
+    def __init__(self, config: EngineConfig, rank_transfer: Callable[[], object] | None = None,
+                 weights: WeightSource | None = None, keep_weights: bool = False):
         """rank_transfer: at tensor_parallel_size > 1, what makes each worker rank's own
         transfer engine (a picklable factory; common/parallel/rank_writes.py), for nodes
-        that push or receive KV; None: the workers do no KV transfer."""
+        that push or receive KV; None: the workers do no KV transfer. weights: where rank
+        0's weights come from (default: the disk; services/node/weight_loader.py reads a
+        peer's); keep_weights: keep them as one buffer to serve as a weight seed
+        (self.loaded_weights.pool; identity: self.weights_identity)."""
         from common.parallel.shard import plan_shard
         self.config = config
         tp_size = config.tensor_parallel_size
@@ -111,6 +117,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len must be <= {limit} (max_position_embeddings, "
                              f"KV cache of {self.num_blocks} blocks, sliding window), got {config.max_model_len}")
         self.max_model_len = config.max_model_len or limit
+        self._weights, self._keep_weights = weights, keep_weights
         start = time.perf_counter()
         # rank 0 here, the workers spawned first so that they load their shards meanwhile
         self.tp = None if tp_size == 1 else TPExecutor(
@@ -126,9 +133,15 @@ class LLMEngine:
     def _build(self, config: EngineConfig, mcfg, start: float) -> None:
         """The rest of __init__ (rank 0's model and KV cache, the scheduler, the tokenizer),
         after the workers were spawned."""
+        mix_path = resolved_w8a8_mix_path(config)
+        self.weights_identity = weights_identity(
+            config.model, dtype_name(self.dtype), type(quantization_config(config.model, mix_path)).__name__, mix_path,
+            config.tensor_parallel_size, config.enable_expert_parallel)
         self.model, self.kv_cache = load_rank(mcfg, self.backend, self.dtype, self.device, config.model,
                                               self.shard, self.max_model_len, self.num_blocks, self.block_size,
-                                              resolved_w8a8_mix_path(config), config.lm_head_quantization == "int8")
+                                              mix_path, config.lm_head_quantization == "int8",
+                                              self._weights, self.weights_identity, self._keep_weights)
+        self.loaded_weights = self.model.loaded_weights
         if self.tp is not None:
             self.model.attach_group(self.tp.wait_ready(), config.moe_dispatch)
         self.expert_load = ExpertLoad.of_model(self.model)   # None: a dense model

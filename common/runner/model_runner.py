@@ -17,6 +17,7 @@ inputs from a scheduled step is the engine's (common/engine/step_runner.py).
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -26,25 +27,41 @@ from common.model.registry import build_model
 from common.model.step_batch import StepBatch
 from common.runner.split_latent_cache import SplitLatentCache
 from common.runner.step_inputs import StepInputs
+from common.runner.weight_source import DiskWeights, WeightSource
 from kernels import DecodeMetadata, PrefillMetadata
+
+log = logging.getLogger("pdmesh.engine")
 
 
 def load_rank(mcfg, backend, dtype: torch.dtype, device: torch.device, model_dir: str, shard,
               max_model_len: int, num_blocks: int, block_size: int,
-              w8a8_mix_path: str = "dynamic", lm_head_int8: bool = False) -> tuple[torch.nn.Module, torch.Tensor]:
+              w8a8_mix_path: str = "dynamic", lm_head_int8: bool = False, weights: WeightSource | None = None,
+              identity: str = "", keep_pool: bool = False) -> tuple[torch.nn.Module, torch.Tensor]:
     """One rank's model (its shard's weights, read from model_dir, on device, linears
     prepared) and its zeroed KV cache [num_layers, kv_planes, num_blocks, block_size, its KV
     heads, head_dim] (MLA: one plane of one latent head, or a SplitLatentCache where the
     backend wants two) (int8 for a C8 checkpoint): what rank 0 (LLMEngine) and every worker (common/parallel/worker.py)
-    build alike. lm_head_int8: the vocabulary matrix in int8 (layers/int8_vocab.py). ValueError naming the problem for a checkpoint the engine cannot read."""
+    build alike. lm_head_int8: the vocabulary matrix in int8 (layers/int8_vocab.py). ValueError naming the problem for a checkpoint the engine cannot read.
+    weights: where the parameters come from (default: model_dir on the disk); identity: the
+    rank's weights identity (common/model/weight_identity.py); keep_pool: keep them as one
+    buffer to serve as a weight seed. What was loaded: `model.loaded_weights` (its pool None
+    when a backend's preparation wrote into the parameters: such bytes are not the
+    checkpoint's, and a loader would prepare them twice)."""
     model = build_model(mcfg, backend, dtype, max_positions=max_model_len, shard=shard,
                         quant=quantization_config(model_dir, w8a8_mix_path))
-    model.load_weights(model_dir)
+    loaded = (weights or DiskWeights(model_dir)).fill(model, identity, keep_pool)
+    model.loaded_weights = loaded
     if model.kv_cache_dtype == torch.int8:
         from common.model.formats.msmodelslim import kv_scales_id
         model.kv_scales_id = kv_scales_id(model_dir)
     model.to(device)
     model.prepare_linears(lm_head_int8)
+    if loaded.pool is not None:
+        changed = loaded.pool.changed_tensors()
+        if changed:
+            log.warning("this rank serves no weights to peers: preparing the model wrote into %d of its loaded "
+                        "tensors (%s)", len(changed), ", ".join(changed[:3]))
+            loaded.pool = None
     if mcfg.uses_mla and backend.latent_planes(mcfg.kv_lora_rank, mcfg.qk_rope_head_dim) == 2:
         return model, SplitLatentCache(mcfg.num_layers, num_blocks, block_size, mcfg.kv_lora_rank,
                                        mcfg.qk_rope_head_dim, model.kv_cache_dtype, device)

@@ -82,6 +82,11 @@ class TransferEngine(ABC):
         reads. The memory must stay alive until close()."""
 
     @abstractmethod
+    def unregister(self, region: Region) -> None:
+        """Stop exposing a region register() returned: peers' reads and writes into it fail
+        from now on (one in flight may still complete)."""
+
+    @abstractmethod
     def write(self, peer: str, batch: list[tuple[int, int, int]], timeout_s: float | None = None) -> int:
         """Copy each (local_address, remote_address, length) to the peer; returns the
         number of bytes written once all are acknowledged. Raises TransferError."""

@@ -55,6 +55,14 @@ class FakeTransfer(TransferEngine):
             self._regions = self._regions + (region,)
         return region
 
+    def unregister(self, region: Region) -> None:
+        with self._lock:
+            if region not in self._regions:
+                raise ValueError(f"region ({region.address:#x}, {region.length}) is not registered")
+            regions = list(self._regions)
+            regions.remove(region)
+            self._regions = tuple(regions)
+
     def fail_next(self, n: int = 1, error: BaseException | None = None) -> None:
         """The next n writes or reads raise `error` (default TransferError) and copy nothing."""
         with self._lock:

@@ -106,6 +106,14 @@ class GrpcTransfer(TransferEngine):
             self._regions = self._regions + (region,)
         return region
 
+    def unregister(self, region: Region) -> None:
+        with self._lock:
+            if region not in self._regions:
+                raise ValueError(f"region ({region.address:#x}, {region.length}) is not registered")
+            regions = list(self._regions)
+            regions.remove(region)
+            self._regions = tuple(regions)
+
     def _contains(self, address: int, length: int) -> bool:
         return regions_hold(self._regions, address, length)
 

@@ -142,6 +142,14 @@ class MooncakeTransfer(TransferEngine):
         self._regions.append(region)
         return region
 
+    def unregister(self, region: Region) -> None:
+        if region not in self._regions:
+            raise ValueError(f"region ({region.address:#x}, {region.length}) is not registered")
+        ret = self._engine.unregister_memory(region.address)
+        self._regions.remove(region)
+        if ret != 0:
+            raise TransferError(f"mooncake unregister_memory({region.address:#x}) returned {ret}")
+
     def write(self, peer: str, batch: list[tuple[int, int, int]], timeout_s: float | None = None) -> int:
         return self._transfer("write", peer, batch, self._engine.transfer_submit_write, timeout_s)
 

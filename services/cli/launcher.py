@@ -60,6 +60,7 @@ class Service:
     port_planned: bool = False          # the launcher chose `port` (free then, maybe taken by now)
     http_port: int = 0                  # the gateway's OpenAI-compatible HTTP API (0 = none)
     http_scheme: str = "http"           # https when the mesh runs TLS
+    config_path: str = ""               # its own config file ("": the mesh's; add_node)
 
     @property
     def address(self) -> str:
@@ -259,7 +260,7 @@ class MeshProcesses:
         return [p for p in ports if p[2]]
 
     def _spawn(self, svc: Service) -> None:
-        cmd = [sys.executable, "-m", "services.cli", "serve", svc.role, "--config", self.config_path,
+        cmd = [sys.executable, "-m", "services.cli", "serve", svc.role, "--config", svc.config_path or self.config_path,
                "--port", str(svc.port), "--meta", ",".join(self.meta_addresses), *svc.args]
         if self.kv_store_address:
             cmd += ["--kv-store", self.kv_store_address]
@@ -414,6 +415,44 @@ class MeshProcesses:
         self._spawn(svc)
         self._wait_healthy(svc, timeout_s, replan=svc.role in ("prefill", "decode", "both"))
         self._say(svc.status("restarted"))
+
+    def add_node(self, node: dict, env: dict[str, str] | None = None, timeout_s: float = 120.0,
+                 wait: bool = True):
+        """Start one more engine node in the running mesh. node: a `nodes:` entry (role,
+        node_id, ... ; ValueError naming the field when it is not one); env: set for its
+        process. Its config (the mesh's plus this entry) is written beside its log, so
+        restart() starts it alike. wait: return once it is healthy and registered (a
+        RuntimeError naming its log when it exits or does not come up), else at once with
+        a callable that waits so."""
+        import yaml
+        from common.config import mesh_config_from_dict
+        raw = yaml.safe_load(Path(self.config_path).read_text())
+        if any(n.get("node_id") == node.get("node_id") for n in raw.get("nodes", [])) \
+                or node.get("node_id") in self.services:
+            raise ValueError(f"nodes[].node_id {node.get('node_id')!r} is already in the mesh")
+        raw["nodes"] = [*raw.get("nodes", []), dict(node)]
+        cfg = next(n for n in mesh_config_from_dict(raw).nodes if n.node_id == node.get("node_id"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        config_path = self.log_dir / f"{cfg.node_id}.yaml"
+        config_path.write_text(yaml.safe_dump(raw))
+        svc = Service(cfg.node_id, cfg.role, cfg.advertised_host, cfg.port or self._new_port(cfg.host),
+                      ["--node-id", cfg.node_id], self.log_dir / f"{cfg.node_id}.log", env=dict(env or {}),
+                      metrics_port=cfg.metrics_port, port_planned=not cfg.port, config_path=str(config_path))
+        self.services[cfg.node_id] = svc
+        self._spawn(svc)
+
+        def finish() -> None:
+            try:
+                self._wait_healthy(svc, timeout_s)
+                self._wait_registered([cfg.node_id], timeout_s)
+            except (RuntimeError, TimeoutError) as e:
+                self.kill(cfg.node_id)
+                raise RuntimeError(f"{cfg.node_id} did not start: {e} (log: {svc.log_path})") from e
+            self._say(svc.status("started"))
+        if wait:
+            finish()
+            return None
+        return finish
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.services[name].process

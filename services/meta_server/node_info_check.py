@@ -12,6 +12,7 @@ MAX_FIELD_CHARS = 256     # address, model_id, transfer endpoint, instance_id
 
 TRANSFER_BACKENDS = ("mooncake", "grpc", "fake")
 MAX_TENSOR_PARALLEL = 64
+WEIGHT_IDENTITY = re.compile(r"[0-9a-f]{32}")   # common/model/weight_identity.py
 # what every rank of a node has alike (each its own heads and addresses)
 RANK_SHARED_FIELDS = ("kind", "dtype", "scales_id", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim",
                       "rope_dim")
@@ -59,4 +60,10 @@ def node_info_error(node) -> str:
     for i, r in enumerate(node.kv_ranks):
         if any(getattr(r.layout, f) != getattr(node.kv_layout, f) for f in RANK_SHARED_FIELDS):
             return f"node.kv_ranks[{i}].layout must match node.kv_layout in {', '.join(RANK_SHARED_FIELDS)}"
+    seed = node.weight_seed
+    if node.HasField("weight_seed") and not (
+            WEIGHT_IDENTITY.fullmatch(seed.identity) and 1 <= seed.tensor_parallel_size <= MAX_TENSOR_PARALLEL
+            and seed.total_bytes >= 0 and seed.max_clients >= 1):
+        return ("node.weight_seed: identity of 32 hex digits, tensor_parallel_size in "
+                f"[1, {MAX_TENSOR_PARALLEL}], total_bytes >= 0, max_clients >= 1")
     return ""

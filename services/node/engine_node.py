@@ -5,11 +5,12 @@ registered and report the node's load every TTL/3, with the meta-server or in et
 At tensor_parallel_size > 1 every rank has its own transfer engine and registration (the
 workers make theirs with node_transfer); NodeInfo.kv_ranks lists them, rank 0 first.
 
-Lifecycle: EngineNode(...) loads the model and registers the KV cache -> start(address)
+Lifecycle: await EngineNode.create(...) loads the model (on a worker thread) and registers the KV cache -> start(address)
 begins membership -> close() leaves the mesh, stops the engine and the transfer engine.
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -101,19 +102,56 @@ class NodeBytes:
         return self.transfer.bytes_read + (self.writers.bytes_read if self.writers else 0)
 
 
+def load_engine(mesh: MeshConfig, node: NodeConfig) -> tuple[TransferEngine, LLMEngine]:
+    """The node's transfer engine (first: a loader reads a weight seed with it) and its
+    engine, weights from the disk or a peer (engine.load_format)."""
+    engine_config = mesh.engine_config(node)
+    tp_size = engine_config.tensor_parallel_size
+    check_role(node.role, tp_size, mesh.transfer.backend)
+    transfer = node_transfer(mesh, node.advertised_host)
+    try:
+        # at TP > 1 each worker rank has its own transfer engine and KV registration
+        return transfer, LLMEngine(engine_config, rank_transfer=(
+            functools.partial(node_transfer, mesh, node.advertised_host) if tp_size > 1 else None),
+            **weight_options(mesh, node, engine_config, transfer))
+    except BaseException:
+        transfer.close()
+        raise
+
+
+def weight_options(mesh: MeshConfig, node: NodeConfig, engine_config, transfer: TransferEngine) -> dict:
+    """LLMEngine's weights and keep_weights for this node (peer loading and seeding are
+    rank 0's at tensor_parallel_size 1; a TP node reads the disk and serves none)."""
+    if engine_config.tensor_parallel_size > 1:
+        if engine_config.load_format == "peer":
+            raise ValueError("engine.load_format peer needs tensor_parallel_size 1 (a TP node loads from the disk)")
+        return {}
+    from common.runner.weight_source import DiskWeights
+    weights = DiskWeights(engine_config.model, engine_config.weight_bucket_bytes)
+    if engine_config.load_format != "disk":
+        from services.node.weight_loader import PeerWeights
+        weights = PeerWeights(mesh, node.node_id, transfer, weights, strict=engine_config.load_format == "peer")
+    return dict(weights=weights, keep_weights=engine_config.weight_seed)
+
+
 class EngineNode:
-    def __init__(self, mesh: MeshConfig, node: NodeConfig):
+    @classmethod
+    async def create(cls, mesh: MeshConfig, node: NodeConfig) -> "EngineNode":
+        """The engine loads on a worker thread, so that the event loop keeps serving
+        meanwhile (an in-process meta-server or weight seed answers the loader's calls)."""
+        transfer, llm_engine = await asyncio.to_thread(load_engine, mesh, node)
+        return cls(mesh, node, transfer, llm_engine)
+
+    def __init__(self, mesh: MeshConfig, node: NodeConfig, transfer: TransferEngine, llm_engine: LLMEngine):
+        """transfer, llm_engine: what load_engine made (EngineNode.create); the node owns
+        them from here."""
         self.mesh, self.node = mesh, node
         engine_config = mesh.engine_config(node)
-        tp_size = engine_config.tensor_parallel_size
-        check_role(node.role, tp_size, mesh.transfer.backend)
-        # at TP > 1 each worker rank has its own transfer engine and KV registration
-        self.llm_engine = LLMEngine(engine_config, rank_transfer=(
-            functools.partial(node_transfer, mesh, node.advertised_host) if tp_size > 1 else None))
+        self.transfer, self.llm_engine = transfer, llm_engine
         self.engine = AsyncEngine(self.llm_engine)
         tp = self.llm_engine.tp
         try:
-            self.transfer = node_transfer(mesh, node.advertised_host)
+            self.weight_seed = self._seed(engine_config)
             kv = self.llm_engine.kv_cache
             self.transfer.register(kv.data_ptr(), kv.numel() * kv.element_size())
             self.layout = KVLayout.of_cache(kv, self.llm_engine.kv_scales_id)
@@ -126,11 +164,13 @@ class EngineNode:
             self.staging = self._staging() if staged else None
         except BaseException:   # no step thread or rank left behind by a node that did not start
             self.llm_engine.close(graceful=self.engine.shutdown())
+            self.transfer.close()
             raise
         self.sender = KVSender(self.transfer, self.layout)
         self.rank_writers = tp.writers if tp is not None else None
         # threads for KV moves: at TP > 1 a kv-store transfer holds one per rank
-        self.executor = ThreadPoolExecutor(max_workers=4 * tp_size, thread_name_prefix=f"{node.node_id}-kv")
+        self.executor = ThreadPoolExecutor(max_workers=4 * engine_config.tensor_parallel_size,
+                                           thread_name_prefix=f"{node.node_id}-kv")
         self.kv_store: KVStoreClient | RankStoreClients | None = None
         if mesh.kv_store is not None and node.role == "prefill":
             self.kv_store = self._store_client(mesh.kv_store.address)
@@ -141,7 +181,18 @@ class EngineNode:
         self.peer_limits = grpc_util.PeerLimits(grpc_util.MAX_CALLS_PER_PEER)   # calls to peer nodes
         self.moved = NodeBytes(self.transfer, self.rank_writers)
         self.metrics = NodeMetrics(node.node_id, self.engine.snapshot, self.moved,   # served by the node server
-                                   expert_tokens=self.engine.expert_tokens)
+                                   expert_tokens=self.engine.expert_tokens,
+                                   weights=(self.llm_engine.loaded_weights, self.weight_seed))
+
+    def _seed(self, engine_config):
+        """The WeightSeed service of a node that keeps its weights, else None."""
+        loaded = self.llm_engine.loaded_weights
+        if loaded.pool is None:
+            return None
+        from services.node.weight_seed import RankPool, WeightSeedService
+        return WeightSeedService(self.node.node_id, self.llm_engine.weights_identity,
+                                 [RankPool(0, self.transfer, loaded.pool)], engine_config.max_weight_clients,
+                                 self.mesh.timeouts.weight_lease_s)
 
     def _store_client(self, address: str) -> KVStoreClient | RankStoreClients:
         """The kv-store handle: at TP > 1 one client per rank, each storing that rank's
@@ -187,7 +238,8 @@ class EngineNode:
             load=self.load(stats), max_model_len=self.engine.max_model_len,
             transfer_listen_addresses=self.listen_addresses(),
             tensor_parallel_size=self.llm_engine.config.tensor_parallel_size,
-            kv_ranks=self.kv_ranks if len(self.kv_ranks) > 1 else ())
+            kv_ranks=self.kv_ranks if len(self.kv_ranks) > 1 else (),
+            weight_seed=self.weight_seed.info() if self.weight_seed is not None else None)
 
     def listen_addresses(self) -> list[str]:
         """What the transfer listeners of every rank of this node admit, rank 0's first."""
@@ -214,7 +266,11 @@ class EngineNode:
             rank_bytes_written=self.rank_writers.bytes_written if self.rank_writers else 0,
             kv_blocks_staged=self.staging.pool.num_staged if self.staging else 0,
             rank_bytes_read=self.rank_writers.bytes_read if self.rank_writers else 0,
-            borrowed_core_steps=s["borrowed_core_steps"])
+            borrowed_core_steps=s["borrowed_core_steps"],
+            weights_source=self.llm_engine.loaded_weights.source, weights_seed=self.llm_engine.loaded_weights.seed,
+            weights_bytes=self.llm_engine.loaded_weights.nbytes,
+            weights_load_seconds=self.llm_engine.loaded_weights.seconds,
+            weight_leases_granted=self.weight_seed.leases_granted if self.weight_seed is not None else 0)
 
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -234,6 +290,8 @@ class EngineNode:
     async def close(self) -> None:
         if self.registration is not None:
             await self.registration.close()
+        if self.weight_seed is not None:
+            await self.weight_seed.close()
         for ch in self._channels.values():
             await ch.close()
         if self.kv_store is not None:

@@ -17,6 +17,10 @@ lock-free counts of common/engine/engine_view.py, and the transfer engine's byte
                                  tokens the layer's router sent to the expert (each token
                                  once per top_k expert), from AsyncEngine.expert_tokens()
                                  (lock-free; exact once no request runs)
+  weights_loaded_bytes{source,seed}, weights_load_seconds{source,seed}   where the
+                                 parameters came from (engine.load_format: disk or peer)
+  weight_seed_clients, weight_seed_leases_total   as a weight seed: loaders reading now,
+                                 admitted so far
 Observed by the servicers, per request:
   request_queue_time_seconds     arrival at this engine -> admission (StepOutput.queue_s)
   kv_transfer_seconds            prefill nodes: compute done -> every KV write
@@ -96,13 +100,42 @@ class ExpertCollector:
         yield family
 
 
+class WeightsCollector:
+    """Where the node's weights came from (LoadedWeights) and, as a seed, its loaders
+    (WeightSeedService or None)."""
+
+    def __init__(self, node_id: str, loaded, seed):
+        self.node_id, self.loaded, self.seed = node_id, loaded, seed
+
+    def collect(self):
+        labels = [self.node_id, self.loaded.source, self.loaded.seed]
+        loaded = GaugeMetricFamily(name("weights_loaded_bytes"), "Parameter bytes this node loaded, by source "
+                                   "(disk or peer) and the seed it read from.", labels=["node", "source", "seed"])
+        loaded.add_metric(labels, self.loaded.nbytes)
+        yield loaded
+        seconds = GaugeMetricFamily(name("weights_load_seconds"), "Seconds the node took to fill its parameters.",
+                                    labels=["node", "source", "seed"])
+        seconds.add_metric(labels, self.loaded.seconds)
+        yield seconds
+        if self.seed is not None:
+            clients = GaugeMetricFamily(name("weight_seed_clients"), "Loaders reading this node's weights now.",
+                                        labels=["node"])
+            clients.add_metric([self.node_id], len(self.seed.leases))
+            yield clients
+            granted = CounterMetricFamily(name("weight_seed_leases"), "Loaders admitted to this node's weights.",
+                                          labels=["node"])
+            granted.add_metric([self.node_id], self.seed.leases_granted)
+            yield granted
+
+
 class NodeMetrics:
     """One engine node's registry: snapshot and transfer as EngineCollector's,
     expert_tokens as ExpertCollector's (None: no expert metrics). queue_time and
     kv_transfer are this node's children of the histograms (observe(seconds))."""
 
     def __init__(self, node_id: str, snapshot, transfer, registry: CollectorRegistry | None = None,
-                 expert_tokens=None):
+                 expert_tokens=None, weights=None):
+        """weights: (LoadedWeights, WeightSeedService or None) for WeightsCollector."""
         self.registry = r = registry if registry is not None else CollectorRegistry()
         self.queue_time = Histogram(name("request_queue_time_seconds"), "Arrival at the engine to admission.",
                                     ["node"], buckets=TTFT_BUCKETS, registry=r).labels(node=node_id)
@@ -112,3 +145,5 @@ class NodeMetrics:
         r.register(EngineCollector(node_id, snapshot, transfer))
         if expert_tokens is not None:
             r.register(ExpertCollector(node_id, expert_tokens))
+        if weights is not None:
+            r.register(WeightsCollector(node_id, *weights))

@@ -7,7 +7,7 @@ import logging
 
 from common.config import MeshConfig, NodeConfig
 from common.metrics import close_metrics, serve_metrics
-from protos.pdmesh.v1 import engine_pb2, engine_pb2_grpc
+from protos.pdmesh.v1 import engine_pb2, engine_pb2_grpc, weights_pb2, weights_pb2_grpc
 from services.node import grpc_util
 from services.node.engine_node import EngineNode
 from services.node.fault_injection import install_fault_injection
@@ -30,7 +30,7 @@ async def create_node_server(mesh: MeshConfig, node_cfg: NodeConfig, port: int |
         credentials = load_credentials(mesh.security, node_cfg.node_id)
         install_default(credentials)
     server = grpc_util.new_server(credentials)   # before the engine loads: no identity, no start
-    node = EngineNode(mesh, node_cfg)
+    node = await EngineNode.create(mesh, node_cfg)
     if node_cfg.role == "prefill":
         server.servicer = PrefillServicer(node)
         engine_pb2_grpc.add_PrefillServicer_to_server(server.servicer, server)
@@ -39,6 +39,9 @@ async def create_node_server(mesh: MeshConfig, node_cfg: NodeConfig, port: int |
         server.servicer = DecodeServicer(node)
         engine_pb2_grpc.add_DecodeServicer_to_server(server.servicer, server)
         names = [SERVICES["Decode"].full_name]
+    if node.weight_seed is not None:
+        weights_pb2_grpc.add_WeightSeedServicer_to_server(node.weight_seed, server)
+        names.append(weights_pb2.DESCRIPTOR.services_by_name["WeightSeed"].full_name)
     health = grpc_util.add_health_and_reflection(server, names)
     bound = grpc_util.bind(server, node_cfg.host, node_cfg.port if port is None else port)
     await server.start()

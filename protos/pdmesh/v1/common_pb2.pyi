@@ -115,7 +115,7 @@ class KVLayout(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., base_address: _Optional[int] = ..., strides: _Optional[_Iterable[int]] = ..., scales_id: _Optional[str] = ..., kind: _Optional[str] = ..., rope_dim: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "role", "address", "model_id", "transfer_backend", "transfer_endpoint", "kv_layout", "load", "max_model_len", "transfer_listen_addresses", "tensor_parallel_size", "kv_ranks")
+    __slots__ = ("node_id", "role", "address", "model_id", "transfer_backend", "transfer_endpoint", "kv_layout", "load", "max_model_len", "transfer_listen_addresses", "tensor_parallel_size", "kv_ranks", "weight_seed")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class NodeInfo(_message.Message):
     TRANSFER_LISTEN_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_RANKS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_SEED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     address: str
@@ -140,7 +141,20 @@ class NodeInfo(_message.Message):
     transfer_listen_addresses: _containers.RepeatedScalarFieldContainer[str]
     tensor_parallel_size: int
     kv_ranks: _containers.RepeatedCompositeFieldContainer[KVRank]
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., transfer_backend: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., kv_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., transfer_listen_addresses: _Optional[_Iterable[str]] = ..., tensor_parallel_size: _Optional[int] = ..., kv_ranks: _Optional[_Iterable[_Union[KVRank, _Mapping]]] = ...) -> None: ...
+    weight_seed: WeightSeedInfo
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., transfer_backend: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., kv_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., transfer_listen_addresses: _Optional[_Iterable[str]] = ..., tensor_parallel_size: _Optional[int] = ..., kv_ranks: _Optional[_Iterable[_Union[KVRank, _Mapping]]] = ..., weight_seed: _Optional[_Union[WeightSeedInfo, _Mapping]] = ...) -> None: ...
+
+class WeightSeedInfo(_message.Message):
+    __slots__ = ("identity", "tensor_parallel_size", "total_bytes", "max_clients")
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    identity: str
+    tensor_parallel_size: int
+    total_bytes: int
+    max_clients: int
+    def __init__(self, identity: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., total_bytes: _Optional[int] = ..., max_clients: _Optional[int] = ...) -> None: ...
 
 class KVRank(_message.Message):
     __slots__ = ("transfer_endpoint", "layout", "listen_addresses")

@@ -102,7 +102,7 @@ class EngineStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("node_id", "running", "waiting", "used_blocks", "free_blocks", "total_blocks", "pending_transfers", "prefix_hit_tokens", "preemptions", "quarantined_blocks", "kv_remote", "transfer_bytes_written", "transfer_bytes_read", "held", "rank_bytes_written", "kv_blocks_staged", "rank_bytes_read", "borrowed_core_steps")
+    __slots__ = ("node_id", "running", "waiting", "used_blocks", "free_blocks", "total_blocks", "pending_transfers", "prefix_hit_tokens", "preemptions", "quarantined_blocks", "kv_remote", "transfer_bytes_written", "transfer_bytes_read", "held", "rank_bytes_written", "kv_blocks_staged", "rank_bytes_read", "borrowed_core_steps", "weights_source", "weights_seed", "weights_bytes", "weight_leases_granted", "weights_load_seconds")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,11 @@ class EngineStats(_message.Message):
     KV_BLOCKS_STAGED_FIELD_NUMBER: _ClassVar[int]
     RANK_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     BORROWED_CORE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_SEED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_LEASES_GRANTED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     running: int
     waiting: int
@@ -139,4 +144,9 @@ class EngineStats(_message.Message):
     kv_blocks_staged: int
     rank_bytes_read: int
     borrowed_core_steps: int
-    def __init__(self, node_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., pending_transfers: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., quarantined_blocks: _Optional[int] = ..., kv_remote: _Optional[int] = ..., transfer_bytes_written: _Optional[int] = ..., transfer_bytes_read: _Optional[int] = ..., held: _Optional[int] = ..., rank_bytes_written: _Optional[int] = ..., kv_blocks_staged: _Optional[int] = ..., rank_bytes_read: _Optional[int] = ..., borrowed_core_steps: _Optional[int] = ...) -> None: ...
+    weights_source: str
+    weights_seed: str
+    weights_bytes: int
+    weight_leases_granted: int
+    weights_load_seconds: float
+    def __init__(self, node_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., pending_transfers: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., quarantined_blocks: _Optional[int] = ..., kv_remote: _Optional[int] = ..., transfer_bytes_written: _Optional[int] = ..., transfer_bytes_read: _Optional[int] = ..., held: _Optional[int] = ..., rank_bytes_written: _Optional[int] = ..., kv_blocks_staged: _Optional[int] = ..., rank_bytes_read: _Optional[int] = ..., borrowed_core_steps: _Optional[int] = ..., weights_source: _Optional[str] = ..., weights_seed: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., weight_leases_granted: _Optional[int] = ..., weights_load_seconds: _Optional[float] = ...) -> None: ...
