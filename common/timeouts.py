@@ -76,13 +76,13 @@ class TimeoutConfig:
                       waiting for (64 MiB in 30 s: 2 MB/s).
     weight_call_s     a loader's OpenWeights / RenewWeights / CloseWeights call to a seed.
     weight_lease_s    a seed keeps its weights registered this long after a loader's last
-                      open or renewal (the loader renews every third of it): a loader that
-                      died unregisters them within it. Longer than a bucket read's bound
-                      (2 x weight_read_s) plus a call, so that a live loader's renewal,
-                      made between two reads, always comes in time.
+                      open or renewal: a loader that died unregisters them within it. The
+                      loader renews between two bucket reads once a third of it has passed,
+                      so a renewal comes at most a third of it plus a read's bound
+                      (2 x weight_read_s) plus a call after the last one.
 
-    Order: 2 x weight_read_s + weight_call_s < weight_lease_s. The weight timeouts are a
-    node's start-up, apart from any request's.
+    Order: weight_lease_s / 3 + 2 x weight_read_s + weight_call_s < weight_lease_s. The
+    weight timeouts are a node's start-up, apart from any request's.
     """
 
     transfer_s: float = 5.0
@@ -101,7 +101,7 @@ class TimeoutConfig:
     load_report_s: float = 2.0
     weight_read_s: float = 30.0
     weight_call_s: float = 5.0
-    weight_lease_s: float = 90.0
+    weight_lease_s: float = 120.0
 
     @property
     def transfer_bound_s(self) -> float:
@@ -126,10 +126,11 @@ class TimeoutConfig:
             if not getattr(self, name) < self.request_s:
                 raise ValueError(f"timeouts.{name} ({getattr(self, name)}) must be < timeouts.request_s "
                                  f"({self.request_s})")
-        if not 2 * self.weight_read_s + self.weight_call_s < self.weight_lease_s:
-            raise ValueError(f"timeouts.weight_lease_s ({self.weight_lease_s}) must be > 2 x timeouts.weight_read_s "
-                             f"+ timeouts.weight_call_s ({2 * self.weight_read_s + self.weight_call_s}): a seed "
-                             "must keep its weights registered past a loader's slowest read and renewal")
+        renewal_gap = self.weight_lease_s / 3 + 2 * self.weight_read_s + self.weight_call_s
+        if not renewal_gap < self.weight_lease_s:
+            raise ValueError(f"timeouts.weight_lease_s ({self.weight_lease_s}) must be > a third of itself + 2 x "
+                             f"timeouts.weight_read_s + timeouts.weight_call_s ({renewal_gap:g}): a seed must keep "
+                             "its weights registered past a loader's slowest read and renewal")
         for lease in ("kv_store_pin_lease_s", "kv_store_reserve_lease_s"):
             if not self.transfer_bound_s < getattr(self, lease):
                 raise ValueError(f"timeouts.{lease} ({getattr(self, lease)}) must be > 2 x timeouts.transfer_s "

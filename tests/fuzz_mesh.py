@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 
 from common.config import (KVStoreConfig, LimitsConfig, MeshConfig, MetaConfig, NodeConfig, TimeoutConfig,
                            TransferConfig)
-from protos.pdmesh.v1 import common_pb2, engine_pb2, gateway_pb2, kv_store_pb2, meta_pb2
+from protos.pdmesh.v1 import common_pb2, engine_pb2, gateway_pb2, kv_store_pb2, meta_pb2, weights_pb2
 from services.gateway import server as gateway_server
 from services.kv_store import server as kv_store_server
 from services.meta_server import server as meta_server
@@ -61,6 +61,7 @@ SERVICES = {   # service -> (its descriptor, the mesh's server that serves it)
     "Decode": (engine_pb2.DESCRIPTOR.services_by_name["Decode"], "both"),
     "Prefill": (engine_pb2.DESCRIPTOR.services_by_name["Prefill"], "prefill"),
     "KVStore": (kv_store_pb2.DESCRIPTOR.services_by_name["KVStore"], "store"),
+    "WeightSeed": (weights_pb2.DESCRIPTOR.services_by_name["WeightSeed"], "both"),
 }
 GENERATE = SERVICES["Gateway"][0].methods_by_name["Generate"]
 GENERATE_PATH = "/pdmesh.v1.Gateway/Generate"
@@ -145,8 +146,10 @@ class Mesh:
             info.ClearField("load")
             members[m.node_id] = (m.instance_id, info.SerializeToString(deterministic=True), m.state)
         admin, store = self.meta.control.admin, self.store.store.stats()
+        seed = self.both.node.weight_seed
         return members, (set(admin.drained_node_ids()), admin.policy(), list(self.prefill.servicer.cancelled),
-                         [store[k] for k in ("num_spaces", "hits", "misses", "bytes_in", "bytes_out")])
+                         [store[k] for k in ("num_spaces", "hits", "misses", "bytes_in", "bytes_out")],
+                         (sorted(seed.leases), seed.registered))
 
     def unchanged(self, before, after) -> str | None:
         """None when `after` differs from `before` only by what time and the real nodes
@@ -178,13 +181,14 @@ class Mesh:
 
     async def restore(self) -> None:
         """Undo what allowed calls did: members not joined by the real nodes removed,
-        nothing drained, the policy back; then wait for the real nodes."""
+        nothing drained, the policy back, no weight lease held; then wait for the real nodes."""
         for m in list(self.meta.control.registry.members()):
             if self.real.get(m.node_id, ("", ""))[1] != m.instance_id:
                 await self.meta.control.remove(m.node_id)
         for node_id in list(self.meta.control.admin.drained_node_ids()):
             await self.meta.control.undrain(node_id)
         await self.meta.control.set_policy(self.policy)
+        await self.both.node.weight_seed.close()    # leases granted end: the weights unregistered
         await self.wait_for_real_members()
 
     async def assert_no_blocks_in_use(self, timeout_s: float = 30.0) -> None:

@@ -7,7 +7,7 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import FieldDescriptor as F
 from hypothesis import strategies as st
 
-from protos.pdmesh.v1 import common_pb2, engine_pb2, gateway_pb2, kv_store_pb2
+from protos.pdmesh.v1 import common_pb2, engine_pb2, gateway_pb2, kv_store_pb2, weights_pb2
 from tests.fuzz_mesh import CREDENTIALS, LIMITS, MAX_MODEL_LEN, MODEL_ID, Mesh, SEEN, SERVICES, VOCAB
 
 
@@ -247,6 +247,9 @@ def coherent_requests(mesh: Mesh) -> dict[str, st.SearchStrategy]:
         "KVStore.Lookup": blocks.map(lambda ids: store(kv_store_pb2.LookupRequest, ids)),
         "KVStore.ReservePut": blocks.map(lambda ids: store(kv_store_pb2.ReservePutRequest, ids)),
         "KVStore.PinGet": blocks.map(lambda ids: store(kv_store_pb2.PinGetRequest, ids)),
+        "WeightSeed.OpenWeights": st.builds(
+            lambda loader: weights_pb2.OpenWeightsRequest(identity=mesh.both.node.weight_seed.identity,
+                                                          tensor_parallel_size=1, loader_node_id=loader), STRING),
     }
 
 

@@ -20,6 +20,7 @@ shares them with the pool.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -65,10 +66,18 @@ class Manifest:
     bucket_checksums: tuple[bytes, ...] = ()
     checksum: str = CHECKSUM
 
+    @property
+    def num_buckets(self) -> int:
+        return -(-self.total_bytes // self.bucket_bytes)
+
+    def bucket_range(self, i: int) -> tuple[int, int]:
+        """(offset, length) of bucket i."""
+        start = i * self.bucket_bytes
+        return start, min(self.bucket_bytes, self.total_bytes - start)
+
     def buckets(self) -> list[tuple[int, int]]:
         """(offset, length) of every bucket, in order."""
-        b = self.bucket_bytes
-        return [(start, min(b, self.total_bytes - start)) for start in range(0, self.total_bytes, b)]
+        return [self.bucket_range(i) for i in range(self.num_buckets)]
 
     def to_proto(self):
         from protos.pdmesh.v1 import weights_pb2
@@ -88,7 +97,7 @@ class Manifest:
                        m.total_bytes, m.bucket_bytes, tuple(m.bucket_checksums), m.checksum)
         if m.checksum != CHECKSUM:
             raise ManifestMismatch(f"checksum {m.checksum!r}, expected {CHECKSUM!r}")
-        if m.bucket_bytes <= 0 or m.total_bytes < 0 or len(m.bucket_checksums) != len(manifest.buckets()):
+        if m.bucket_bytes <= 0 or m.total_bytes < 0 or len(m.bucket_checksums) != manifest.num_buckets:
             raise ManifestMismatch(f"{len(m.bucket_checksums)} bucket checksums for {m.total_bytes} bytes in "
                                    f"buckets of {m.bucket_bytes}")
         return manifest
@@ -132,8 +141,8 @@ class WeightPool:
             view.copy_(param.data)
             param.data = view
         pool = cls(buffer, Manifest(entries, total, bucket_bytes))
-        pool.manifest = Manifest(entries, total, bucket_bytes, tuple(pool.bucket_checksum(i)
-                                                                    for i in range(len(pool.manifest.buckets()))))
+        pool.manifest = Manifest(entries, total, bucket_bytes,
+                                 tuple(pool.bucket_checksum(i) for i in range(pool.manifest.num_buckets)))
         return pool
 
     @classmethod
@@ -154,7 +163,7 @@ class WeightPool:
         return cls(torch.empty(max(total, 1), dtype=torch.uint8), manifest)
 
     def bucket(self, i: int) -> torch.Tensor:
-        start, length = self.manifest.buckets()[i]
+        start, length = self.manifest.bucket_range(i)
         return self.buffer[start:start + length]
 
     def bucket_checksum(self, i: int) -> bytes:
@@ -163,10 +172,18 @@ class WeightPool:
     def verify(self, i: int) -> bool:
         return self.bucket_checksum(i) == self.manifest.bucket_checksums[i]
 
+    def failed_buckets(self, threads: int = 2) -> list[int]:
+        """The buckets whose bytes do not match their checksums (xxhash releases the GIL:
+        `threads` check at once)."""
+        n = self.manifest.num_buckets
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weight-checksums") as pool:
+            ok = list(pool.map(self.verify, range(n)))
+        return [i for i in range(n) if not ok[i]]
+
     def changed_tensors(self) -> list[str]:
         """Names of the tensors in buckets whose bytes no longer match their checksums
         (something wrote into the pool after it was made)."""
-        bad = [self.manifest.buckets()[i] for i in range(len(self.manifest.buckets())) if not self.verify(i)]
+        bad = [self.manifest.bucket_range(i) for i in self.failed_buckets()]
         return [e.name for e in self.manifest.tensors
                 if any(e.offset < start + length and start < e.offset + e.nbytes for start, length in bad)]
 

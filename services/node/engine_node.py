@@ -134,12 +134,28 @@ def weight_options(mesh: MeshConfig, node: NodeConfig, engine_config, transfer: 
     return dict(weights=weights, keep_weights=engine_config.weight_seed)
 
 
+def _close_loaded(loading: asyncio.Future) -> None:
+    if loading.cancelled() or loading.exception() is not None:
+        return
+    transfer, llm_engine = loading.result()
+    llm_engine.close(graceful=False)
+    transfer.close()
+
+
 class EngineNode:
     @classmethod
     async def create(cls, mesh: MeshConfig, node: NodeConfig) -> "EngineNode":
         """The engine loads on a worker thread, so that the event loop keeps serving
-        meanwhile (an in-process meta-server or weight seed answers the loader's calls)."""
-        transfer, llm_engine = await asyncio.to_thread(load_engine, mesh, node)
+        meanwhile (an in-process meta-server or weight seed answers the loader's calls;
+        TP workers spawned from it are not armed with PR_SET_PDEATHSIG, their parent
+        watch still ends them: common/parallel/worker.py). Cancelled while loading: what
+        the load made is closed when it ends."""
+        loading = asyncio.ensure_future(asyncio.to_thread(load_engine, mesh, node))
+        try:
+            transfer, llm_engine = await asyncio.shield(loading)
+        except asyncio.CancelledError:
+            loading.add_done_callback(_close_loaded)
+            raise
         return cls(mesh, node, transfer, llm_engine)
 
     def __init__(self, mesh: MeshConfig, node: NodeConfig, transfer: TransferEngine, llm_engine: LLMEngine):

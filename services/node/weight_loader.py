@@ -24,7 +24,6 @@ import hashlib
 import logging
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 import torch
@@ -118,6 +117,7 @@ class PeerWeights:
         channel = self._channel(seed.address)
         stub = weights_pb2_grpc.WeightSeedStub(channel)
         try:
+            opened = time.monotonic()    # the seed's lease runs from its answer: renew by this clock
             reply = stub.OpenWeights(weights_pb2.OpenWeightsRequest(
                 identity=identity, tensor_parallel_size=self.tp_size, loader_node_id=self.node_id),
                 timeout=t.weight_call_s)
@@ -127,7 +127,8 @@ class PeerWeights:
                     raise PeerLoadError(f"answered {len(reply.ranks)} ranks, expected {self.tp_size}")
                 rank = reply.ranks[self.rank]
                 pool = WeightPool.for_manifest(model, Manifest.from_proto(rank.manifest))
-                self._pull(pool, rank, lambda: stub.RenewWeights(lease, timeout=t.weight_call_s), reply.lease_s)
+                renewal = Renewal(lambda: stub.RenewWeights(lease, timeout=t.weight_call_s), reply.lease_s, opened)
+                self.pull(pool, rank.transfer_endpoint, rank.base_address, renewal)
                 return pool
             finally:
                 try:
@@ -137,27 +138,59 @@ class PeerWeights:
         finally:
             channel.close()
 
-    def _pull(self, pool: WeightPool, rank: weights_pb2.RankWeights, renew, lease_s: float) -> None:
-        buckets = pool.manifest.buckets()
+    def pull(self, pool: WeightPool, endpoint: str, base_address: int, renewal: "Renewal | None" = None) -> None:
+        """Every bucket of the seed's pool at (endpoint, base_address) into pool, then
+        checked: PeerLoadError naming the buckets whose checksums differ; TransferError
+        when a read failed. The pool is registered with our transfer engine only while
+        the reads run, and checked only after it is unregistered (a peer could write into
+        it while it is registered). A read that gave up with ranges still in flight
+        (unsettled) may yet land: the pool is then kept, registered, for the life of the
+        process, and never used."""
         region = self.transfer.register(pool.address, pool.nbytes)
-        renewed = time.monotonic()
-        checks: list[Future] = []
         try:
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-checksums") as hasher:
-                for i, (offset, length) in enumerate(buckets):
-                    if i == 1:
-                        _wait_at_gate()
-                    if time.monotonic() - renewed > lease_s / 3:
-                        renew()
-                        renewed = time.monotonic()
-                    self.transfer.read(rank.transfer_endpoint, [(pool.address + offset, rank.base_address + offset,
-                                                                 length)], timeout_s=self.timeouts.weight_read_s)
-                    checks.append(hasher.submit(pool.verify, i))
-                bad = [i for i, check in enumerate(checks) if not check.result()]
-        finally:
+            for i in range(pool.manifest.num_buckets):
+                if i == 1:
+                    _wait_at_gate()
+                if renewal is not None:
+                    renewal.due()
+                offset, length = pool.manifest.bucket_range(i)
+                self.transfer.read(endpoint, [(pool.address + offset, base_address + offset, length)],
+                                   timeout_s=self.timeouts.weight_read_s)
+        except TransferError as e:
+            if e.unsettled:
+                _QUARANTINED.append((pool, region))
+                log.error("weights: a read from %s gave up with bytes in flight: its %.1f MB buffer stays allocated "
+                          "and registered, unused, until this process ends", endpoint, pool.nbytes / 1e6)
+                raise
             self.transfer.unregister(region)
+            raise
+        except BaseException:
+            self.transfer.unregister(region)
+            raise
+        self.transfer.unregister(region)
+        bad = pool.failed_buckets()
         if bad:
-            raise PeerLoadError(f"checksum mismatch in bucket(s) {bad[:5]} of {len(buckets)}")
+            raise PeerLoadError(f"checksum mismatch in bucket(s) {bad[:5]} of {pool.manifest.num_buckets}")
+
+
+class Renewal:
+    """Renews a seed's lease once a third of it has passed since the last renewal (or the
+    open), between two bucket reads: timeouts.weight_lease_s is checked at load to outlast
+    a third of itself plus one read's bound and one call."""
+
+    def __init__(self, renew, lease_s: float, since: float):
+        self.renew, self.lease_s, self.since = renew, lease_s, since
+
+    def due(self) -> None:
+        if time.monotonic() - self.since > self.lease_s / 3:
+            started = time.monotonic()
+            self.renew()
+            self.since = started
+
+
+# pools a read gave up on with bytes still in flight (PeerWeights.pull): kept alive and
+# registered so that late bytes land in memory nobody uses
+_QUARANTINED: list = []
 
 
 GATE_ENV = "PDMESH_FAULT_WEIGHT_READ_GATE"

@@ -70,6 +70,7 @@ class WeightSeedService(weights_pb2_grpc.WeightSeedServicer):
         self.leases: dict[str, tuple[str, float]] = {}    # lease id -> (loader, expiry)
         self.leases_granted = 0
         self._sweeper: asyncio.Task | None = None
+        self._lock = asyncio.Lock()    # leases and registration change under it
         self._corrupt = _corrupt_bucket()
         self._restore: tuple[int, int] | None = None    # (address, byte) flipped by the fault
 
@@ -92,23 +93,22 @@ class WeightSeedService(weights_pb2_grpc.WeightSeedServicer):
                                 f"this seed serves identity {self.identity} at tensor_parallel_size "
                                 f"{self.tensor_parallel_size}; asked for {request.identity[:64]!r} at "
                                 f"{request.tensor_parallel_size}")
-        self._expire()
-        if len(self.leases) >= self.max_clients:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"this seed serves {self.max_clients} loader(s) at a time (max_weight_clients); "
-                                "try another seed or the disk")
-        if not self.leases:
-            try:
-                for rank in self.ranks:
-                    rank.register()
-            except Exception as e:
-                self._unregister()
-                log.error("%s: cannot register its weights for a loader: %s", self.node_id, e)
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "this seed cannot expose its weights now")
-            self._inject_corruption()
-        lease_id = secrets.token_hex(16)
-        loader = request.loader_node_id[:128]
-        self.leases[lease_id] = (loader, self.clock() + self.lease_s)
+        async with self._lock:
+            await self._expire()
+            if len(self.leases) >= self.max_clients:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"this seed serves {self.max_clients} loader(s) at a time (max_weight_clients); "
+                                    "try another seed or the disk")
+            if not self.registered:
+                try:   # registering gigabytes (RDMA pins them) must not stall the streams on this loop
+                    await asyncio.to_thread(self._register)
+                except Exception as e:
+                    await asyncio.to_thread(self._unregister)
+                    log.error("%s: cannot register its weights for a loader: %s", self.node_id, e)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "this seed cannot expose its weights now")
+            lease_id = secrets.token_hex(16)
+            loader = request.loader_node_id[:128]
+            self.leases[lease_id] = (loader, self.clock() + self.lease_s)
         self.leases_granted += 1
         self._ensure_sweeper()
         log.info("%s: serving its weights (%.1f MB) to %s (%d loader(s) now)", self.node_id,
@@ -117,28 +117,36 @@ class WeightSeedService(weights_pb2_grpc.WeightSeedServicer):
                                                ranks=[r.to_proto() for r in self.ranks])
 
     async def RenewWeights(self, request, context):
-        self._expire()
-        held = self.leases.get(request.lease_id)
-        if held is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, "no such lease (it lapsed or was closed)")
-        self.leases[request.lease_id] = (held[0], self.clock() + self.lease_s)
+        async with self._lock:
+            await self._expire()
+            held = self.leases.get(request.lease_id)
+            if held is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND, "no such lease (it lapsed or was closed)")
+            self.leases[request.lease_id] = (held[0], self.clock() + self.lease_s)
         return weights_pb2.RenewWeightsResponse(lease_s=self.lease_s)
 
     async def CloseWeights(self, request, context):
-        held = self.leases.pop(request.lease_id, None)
-        if held is not None:
-            log.info("%s: %s finished reading its weights", self.node_id, held[0] or "a loader")
-        self._expire()
+        async with self._lock:
+            held = self.leases.pop(request.lease_id, None)
+            if held is not None:
+                log.info("%s: %s finished reading its weights", self.node_id, held[0] or "a loader")
+            await self._expire()
         return weights_pb2.CloseWeightsResponse()
 
-    def _expire(self) -> None:
+    async def _expire(self) -> None:
+        """Drop lapsed leases; unregister once none is left (with self._lock held)."""
         now = self.clock()
         for lease_id, (loader, expiry) in list(self.leases.items()):
             if expiry <= now:
                 del self.leases[lease_id]
                 log.warning("%s: the weight lease of %s lapsed", self.node_id, loader or "a loader")
         if not self.leases and self.registered:
-            self._unregister()
+            await asyncio.to_thread(self._unregister)
+
+    def _register(self) -> None:
+        for rank in self.ranks:
+            rank.register()
+        self._inject_corruption()
 
     def _unregister(self) -> None:
         self._undo_corruption()
@@ -155,22 +163,23 @@ class WeightSeedService(weights_pb2_grpc.WeightSeedServicer):
     async def _sweep(self) -> None:
         while self.leases:
             await asyncio.sleep(SWEEP_S)
-            self._expire()
+            async with self._lock:
+                await self._expire()
 
     async def close(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
-        self.leases.clear()
-        self._unregister()
+        async with self._lock:
+            self.leases.clear()
+            self._unregister()
 
     def _inject_corruption(self) -> None:
         if self._corrupt is None:
             return
         pool = self.ranks[0].pool
-        buckets = pool.manifest.buckets()
-        if self._corrupt >= len(buckets):
+        if self._corrupt >= pool.manifest.num_buckets:
             return
-        start, _ = buckets[self._corrupt]
+        start, _ = pool.manifest.bucket_range(self._corrupt)
         view = pool.buffer[start:start + 1]
         self._restore = (start, int(view.item()))
         view.fill_(self._restore[1] ^ 0xFF)

@@ -3,7 +3,9 @@ nodes), Mooncake over TCP. decode-0 loads from the disk and becomes a weight see
 started beside it read its weights one-sided, bucket by bucket (64 KiB buckets here, so
 a tiny model has dozens), check every bucket's checksum, and serve exactly the tokens of
 a disk-loaded engine. A corrupted bucket, a seed killed -9 mid-read and a node of another
-identity each end the way the issue asks: another seed, the disk, or a clear refusal."""
+identity each end the way the issue asks: another seed, the disk, or a clear refusal.
+The tests run in order on one mesh: the corrupting seed decode-2 of the third is the second
+seed the fourth's loader falls through."""
 from __future__ import annotations
 
 import asyncio
@@ -123,6 +125,8 @@ def test_a_node_started_beside_a_seed_reads_its_weights_and_serves_the_same_toke
     s = stats(mesh, "decode-1")
     assert (s.weights_source, s.weights_seed) == ("peer", "decode-0")
     assert s.weights_bytes == seed.weights_bytes == checkpoint_bytes(model)
+    # every byte of the seed's pool came over the transfer engine (the node reads no KV)
+    assert s.transfer_bytes_read == members(mesh)["decode-0"].weight_seed.total_bytes >= s.weights_bytes
     assert stats(mesh, "decode-0").weight_leases_granted == 1
     assert "from seed decode-0" in log_of(mesh, "decode-1")
     info = members(mesh)["decode-1"].weight_seed      # and it serves them in turn

@@ -9,7 +9,7 @@ bytes over a real channel.
   the admin token, no key, a wrong key, or only the cluster secret. A valid key gets a
   stream ending with a finish_reason (always, for a request inside every bound),
   INVALID_ARGUMENT or RESOURCE_EXHAUSTED; anyone else UNAUTHENTICATED.
-- Every other method of Gateway, MetaServer, MetaAdmin, Decode, Prefill and KVStore:
+- Every other method of Gateway, MetaServer, MetaAdmin, Decode, Prefill, KVStore and WeightSeed:
   messages built from the descriptors (some aimed at the real mesh: coherent_requests)
   and raw bytes, with each credential. An admitted caller gets OK, INVALID_ARGUMENT,
   RESOURCE_EXHAUSTED, PERMISSION_DENIED, or a code the method's proto documents
@@ -63,6 +63,9 @@ EXTRA_CODES = {
     "/pdmesh.v1.MetaServer/Route": {C.UNAVAILABLE},          # "UNAVAILABLE: no decode node"
     "/pdmesh.v1.MetaServer/ListMembers": set(),
     "/pdmesh.v1.MetaServer/ReportRequests": {C.FAILED_PRECONDITION},   # "FAILED_PRECONDITION on a standby"
+    "/pdmesh.v1.WeightSeed/OpenWeights": {C.FAILED_PRECONDITION, C.UNAVAILABLE},   # another identity; cannot expose
+    "/pdmesh.v1.WeightSeed/RenewWeights": {C.NOT_FOUND},     # "NOT_FOUND: it lapsed"
+    "/pdmesh.v1.WeightSeed/CloseWeights": set(),
     "/pdmesh.v1.MetaAdmin/ListNodes": set(),
     "/pdmesh.v1.MetaAdmin/DrainNode": {C.NOT_FOUND},         # "Unknown node id: NOT_FOUND"
     "/pdmesh.v1.MetaAdmin/UndrainNode": {C.NOT_FOUND},
@@ -151,7 +154,8 @@ def test_generate_requests_fuzzed_end_in_tokens_or_a_client_error(mesh):
     mesh.run(mesh.assert_no_blocks_in_use(IDLE_GUARD_S), timeout=2 * IDLE_GUARD_S)
 
 
-@pytest.mark.parametrize("service", ["MetaServer", "MetaAdmin", "Decode", "Prefill", "KVStore", "Gateway"])
+@pytest.mark.parametrize("service", ["MetaServer", "MetaAdmin", "Decode", "Prefill", "KVStore", "Gateway",
+                                     "WeightSeed"])
 def test_every_rpc_fuzzed_with_every_credential(mesh, service):
     descriptor, server = SERVICES[service]
     assert {f"/{descriptor.full_name}/{m.name}" for m in descriptor.methods} <= EXTRA_CODES.keys()
