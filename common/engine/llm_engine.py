@@ -74,13 +74,16 @@ log = logging.getLogger("pdmesh.engine")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, rank_transfer: Callable[[], object] | None = None,
-                 weights: WeightSource | None = None, keep_weights: bool = False):
+                 weights: WeightSource | None = None, keep_weights: bool = False,
+                 rank_weights: Callable[[object, int], WeightSource] | None = None):
         """rank_transfer: at tensor_parallel_size > 1, what makes each worker rank's own
         transfer engine (a picklable factory; common/parallel/rank_writes.py), for nodes
         that push or receive KV; None: the workers do no KV transfer. weights: where rank
         0's weights come from (default: the disk; services/node/weight_loader.py reads a
         peer's); keep_weights: keep them as one buffer to serve as a weight seed
-        (self.loaded_weights.pool; identity: self.weights_identity)."""
+        (self.loaded_weights.pool; identity: self.weights_identity); rank_weights(transfer,
+        rank): where each worker rank's weights come from (picklable; default the disk), and
+        the workers keep theirs alike (self.tp.loaded, self.tp.weight_ranks)."""
         from common.parallel.shard import plan_shard
         self.config = config
         tp_size = config.tensor_parallel_size
@@ -118,12 +121,17 @@ class LLMEngine:
                              f"KV cache of {self.num_blocks} blocks, sliding window), got {config.max_model_len}")
         self.max_model_len = config.max_model_len or limit
         self._weights, self._keep_weights = weights, keep_weights
+        mix_path = resolved_w8a8_mix_path(config)
+        self.weights_identity = weights_identity(
+            config.model, dtype_name(self.dtype), type(quantization_config(config.model, mix_path)).__name__, mix_path,
+            config.tensor_parallel_size, config.enable_expert_parallel)
         start = time.perf_counter()
         # rank 0 here, the workers spawned first so that they load their shards meanwhile
         self.tp = None if tp_size == 1 else TPExecutor(
             config, dtype=dtype_name(self.dtype),
             num_blocks=self.num_blocks, block_size=self.block_size, max_model_len=self.max_model_len,
-            transfer_factory=rank_transfer)
+            transfer_factory=rank_transfer, weights=rank_weights, weights_identity=self.weights_identity,
+            keep_weights=keep_weights)
         try:
             self._build(config, mcfg, start)
         except BaseException:
@@ -134,9 +142,6 @@ class LLMEngine:
         """The rest of __init__ (rank 0's model and KV cache, the scheduler, the tokenizer),
         after the workers were spawned."""
         mix_path = resolved_w8a8_mix_path(config)
-        self.weights_identity = weights_identity(
-            config.model, dtype_name(self.dtype), type(quantization_config(config.model, mix_path)).__name__, mix_path,
-            config.tensor_parallel_size, config.enable_expert_parallel)
         self.model, self.kv_cache = load_rank(mcfg, self.backend, self.dtype, self.device, config.model,
                                               self.shard, self.max_model_len, self.num_blocks, self.block_size,
                                               mix_path, config.lm_head_quantization == "int8",

@@ -40,6 +40,7 @@ keep its work under `if __name__ == "__main__":` (as with any spawn).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -110,9 +111,14 @@ class TPExecutor:
     thread only once steps have ended)."""
 
     def __init__(self, config: EngineConfig, *, dtype: str, num_blocks: int, block_size: int,
-                 max_model_len: int, transfer_factory: Callable[[], object] | None = None):
+                 max_model_len: int, transfer_factory: Callable[[], object] | None = None,
+                 weights: Callable[[object, int], object] | None = None, weights_identity: str = "",
+                 keep_weights: bool = False):
         """transfer_factory: each worker makes its own transfer engine with it and takes KV
-        write orders (writers, kv_ranks); None: the workers do no KV transfer."""
+        write orders (writers, kv_ranks); None: the workers do no KV transfer. weights,
+        weights_identity, keep_weights: where each worker's weights come from and whether
+        it keeps them to serve (WorkerSpec); after wait_ready, `loaded` says where they came
+        from and `weight_ranks` holds what each serves (serialized RankWeights, b"" for none)."""
         self.size = config.tensor_parallel_size
         self.device = rank_device(config.device, 0)
         self.group_name = f"tp{os.getpid()}-{next(_groups)}"
@@ -126,6 +132,8 @@ class TPExecutor:
         self._finalizer = weakref.finalize(self, _reap, self.procs)   # the same list, filled below
         self.writers: RankWriters | None = None
         self.kv_ranks: list[bytes] = []      # serialized KVRank of ranks 1.. (with transfer)
+        self.weight_ranks: list[bytes] = []  # serialized RankWeights of ranks 1.. (with transfer)
+        self.loaded: list[dict] = []         # ranks 1..: {source, seed, nbytes, seconds}
         conns = []
         for rank in range(1, self.size):
             cores, threads = rank_cpu_budget(config.cpu_cores, config.num_threads, self.size, rank)
@@ -134,7 +142,8 @@ class TPExecutor:
                               dtype=dtype, num_blocks=num_blocks, block_size=block_size,
                               max_model_len=max_model_len, cpu_cores=cores, num_threads=threads,
                               parent_pid=os.getpid(), death_signal=from_main,
-                              transfer_factory=transfer_factory,
+                              transfer_factory=transfer_factory, weights=weights,
+                              weights_identity=weights_identity, keep_weights=keep_weights,
                               torch_npu_emulator=getattr(sys.modules.get("torch_npu"), "_pdmesh_install_options",
                                                          None))
             ours, theirs = ctx.Pipe() if transfer_factory is not None else (None, None)
@@ -166,6 +175,8 @@ class TPExecutor:
                 raise self._error
         if self.writers is not None:
             self.kv_ranks = [self.store.get(f"{self.group_name}/kv/{r}") for r in range(1, self.size)]
+            self.weight_ranks = [self.store.get(f"{self.group_name}/weights/{r}") for r in range(1, self.size)]
+        self.loaded = [json.loads(self.store.get(f"{self.group_name}/loaded/{r}")) for r in range(1, self.size)]
         try:
             self.group = TPGroup(self.store, 0, self.size, self.device, COLLECTIVE_TIMEOUT_S,
                                  name=self.group_name)

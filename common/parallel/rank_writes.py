@@ -96,17 +96,43 @@ class ReadOrder(_Deadlines):
                                    timeout_s=self.timeout_s)
 
 
-def serve_writes(conn, sender, sync=None) -> None:
+@dataclass(frozen=True)
+class WeightsOrder(_Deadlines):
+    """Register (or unregister) the worker's served weights with its transfer engine
+    (common/runner/served_weights.RankPool), for a weight seed's lease (services/node/
+    weight_seed.py). Moves no bytes."""
+
+    register: bool
+    timeout_s: float
+    not_after: float
+
+    def run(self, weights) -> int:
+        if weights is None:
+            raise ValueError("this rank keeps no weights to serve")
+        weights.register() if self.register else weights.unregister()
+        return 0
+
+
+def serve_writes(conn, sender, sync=None, weights=None) -> None:
     """Worker: run each WriteOrder or ReadOrder received on `conn` with `sender` (this rank's KVSender),
     answering (order id, bytes, None) or (order id, 0, (message, unsettled)); returns when
     rank 0 says stop (None) or its end is gone, once the writes in flight ended. sync():
-    on a device, waits for the rank's queued kernels (those that wrote the KV) first."""
+    on a device, waits for the rank's queued kernels (those that wrote the KV) first.
+    weights: the rank's served weights (RankPool) for WeightsOrders, or None."""
     send_lock = threading.Lock()
     pool = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="rank-write")
 
     def run(order_id: int, order: WriteOrder) -> None:
         if time.monotonic() > order.not_after:
             answer = (order_id, 0, ("the transfer's start deadline passed while it waited; nothing moved", False))
+            with send_lock:
+                conn.send(answer)
+            return
+        if isinstance(order, WeightsOrder):
+            try:
+                answer = (order_id, order.run(weights), None)
+            except Exception as e:
+                answer = (order_id, 0, (f"{type(e).__name__}: {e}", False))
             with send_lock:
                 conn.send(answer)
             return

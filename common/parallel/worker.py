@@ -7,8 +7,11 @@ Lifecycle (`main`):
     loading           its budget of cores/threads, its shard of the weights (sliced
                       reads), its KV cache: its KV heads, rank 0's block count and ids
     transfer          with a transfer factory (nodes that push or receive KV): its own
-                      transfer engine, its KV cache registered there, published as store
-                      key kv/<r> (a KVRank: endpoint + layout); rank 0 lists it in NodeInfo
+                      transfer engine (made before loading: a loader reads a weight seed's
+                      memory with it), its KV cache registered there, published as store
+                      key kv/<r> (a KVRank: endpoint + layout); rank 0 lists it in NodeInfo;
+                      weights/<r>: its served weights (a RankWeights, or empty); loaded/<r>:
+                      where its weights came from (JSON)
     ready             store key ready/<r>; on a load error, error/<r> holds the reason
     grouped           joins the TP group (no timeout: it waits for rank 0 while idle)
     stepping          receives each step's StepInputs (one broadcast, two when big), runs
@@ -24,6 +27,7 @@ Nothing is sent back but the collectives (rank 0 alone samples) and the answers 
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -65,6 +69,13 @@ class WorkerSpec:
     # rank 0 runs on the torch_npu emulator (kernels/testing/fake_torch_npu.py, a machine
     # without an NPU): its install options; this rank installs it alike, before loading
     torch_npu_emulator: dict | None = None
+    # where this rank's weights come from: weights(its transfer engine or None, rank) -> a
+    # WeightSource (common/runner/weight_source.py; a peer's memory or the disk); None:
+    # the disk. keep_weights: keep them as a pool to serve as a weight seed (rank 0 then
+    # orders its registration: rank_writes.WeightsOrder)
+    weights: Callable[[object, int], object] | None = None
+    weights_identity: str = ""
+    keep_weights: bool = False
 
 
 def _watch_parent(spec: WorkerSpec) -> None:
@@ -108,9 +119,19 @@ def main(spec: WorkerSpec, writes_conn=None) -> None:
     store = make_store(spec.rank, size, spec.store_port)
     key = f"{spec.group_name}/"
     try:
-        runner = _load(spec)
-        if spec.transfer_factory is not None:
-            store.set(key + f"kv/{spec.rank}", _start_transfer(spec, runner, writes_conn))
+        # the transfer engine first: a loader reads a weight seed's memory with it
+        transfer = spec.transfer_factory() if spec.transfer_factory is not None else None
+        runner = _load(spec, transfer)
+        loaded = runner.model.loaded_weights
+        print(f"tensor-parallel rank {spec.rank}: weights from {loaded.source}"
+              f"{' seed ' + loaded.seed if loaded.seed else ''} ({loaded.nbytes / 1e6:.1f} MB in {loaded.seconds:.2f}s"
+              f"{'; tried ' + '; '.join(loaded.tried) if loaded.tried else ''})", file=sys.stderr, flush=True)
+        store.set(key + f"loaded/{spec.rank}", json.dumps({"source": loaded.source, "seed": loaded.seed,
+                                                           "nbytes": loaded.nbytes, "seconds": loaded.seconds}))
+        if transfer is not None:
+            kv_rank, weights = _start_transfer(spec, runner, writes_conn, transfer)
+            store.set(key + f"weights/{spec.rank}", weights)
+            store.set(key + f"kv/{spec.rank}", kv_rank)
     except BaseException:
         store.set(key + f"error/{spec.rank}", traceback.format_exc(limit=5))
         sys.exit(1)
@@ -125,7 +146,7 @@ def main(spec: WorkerSpec, writes_conn=None) -> None:
         sys.exit(1)
 
 
-def _load(spec: WorkerSpec):
+def _load(spec: WorkerSpec, transfer):
     import torch
 
     from common.runner.dtypes import DTYPE_BY_NAME
@@ -146,22 +167,29 @@ def _load(spec: WorkerSpec):
     shard = plan_shard(mcfg, cfg.tensor_parallel_size, spec.rank, cfg.enable_expert_parallel)
     model, kv_cache = load_rank(mcfg, get_backend(cfg.kernel_backend, device), DTYPE_BY_NAME[spec.dtype], device,
                                 cfg.model, shard, spec.max_model_len, spec.num_blocks, spec.block_size,
-                                resolved_w8a8_mix_path(cfg), cfg.lm_head_quantization == "int8")
+                                resolved_w8a8_mix_path(cfg), cfg.lm_head_quantization == "int8",
+                                spec.weights(transfer, spec.rank) if spec.weights is not None else None,
+                                spec.weights_identity, spec.keep_weights)
     return ModelRunner(model, kv_cache, spec.block_size)
 
 
-def _start_transfer(spec: WorkerSpec, runner, writes_conn) -> bytes:
+def _start_transfer(spec: WorkerSpec, runner, writes_conn, transfer) -> tuple[bytes, bytes]:
     """This rank's transfer engine with its KV cache registered, the thread that runs rank
-    0's write orders; returns the serialized KVRank to publish. The engine lives as long as
-    the process (its memory is the cache)."""
+    0's write orders (and, for a weight seed, the registration of its weights); returns the
+    serialized KVRank to publish, and the RankWeights of its weights (b"" when it keeps
+    none). The engine lives as long as the process (its memory is the cache)."""
     from common.parallel.rank_writes import serve_writes
     from common.transfer.kv_writes import KVSender
     from common.kv_layout import KVLayout
     from protos.pdmesh.v1 import common_pb2
 
     kv_cache = runner.kv_cache
-    transfer = spec.transfer_factory()
     transfer.register(kv_cache.data_ptr(), kv_cache.numel() * kv_cache.element_size())
+    pool = runner.model.loaded_weights.pool
+    weights = None
+    if pool is not None:
+        from common.runner.served_weights import RankPool
+        weights = RankPool(spec.rank, transfer, pool)
     layout = KVLayout.of_cache(kv_cache, runner.model.kv_scales_id)
     # the worker has no logging set up: stderr is the node's log
     print(f"tensor-parallel rank {spec.rank}: KV cache registered with {transfer.name} at {transfer.endpoint}, "
@@ -170,10 +198,11 @@ def _start_transfer(spec: WorkerSpec, runner, writes_conn) -> bytes:
         import torch
         device = kv_cache.device
         sync = None if device.type == "cpu" else (lambda: torch.accelerator.synchronize(device))
-        threading.Thread(target=serve_writes, args=(writes_conn, KVSender(transfer, layout), sync),
+        threading.Thread(target=serve_writes, args=(writes_conn, KVSender(transfer, layout), sync, weights),
                          name="rank-writes", daemon=True).start()
-    return common_pb2.KVRank(transfer_endpoint=transfer.endpoint, layout=layout.to_proto(),
-                             listen_addresses=list(transfer.listen_addresses)).SerializeToString()
+    kv_rank = common_pb2.KVRank(transfer_endpoint=transfer.endpoint, layout=layout.to_proto(),
+                                listen_addresses=list(transfer.listen_addresses)).SerializeToString()
+    return kv_rank, weights.to_proto().SerializeToString() if weights is not None else b""
 
 
 def _serve(group, runner) -> None:

@@ -120,18 +120,28 @@ def load_engine(mesh: MeshConfig, node: NodeConfig) -> tuple[TransferEngine, LLM
 
 
 def weight_options(mesh: MeshConfig, node: NodeConfig, engine_config, transfer: TransferEngine) -> dict:
-    """LLMEngine's weights and keep_weights for this node (peer loading and seeding are
-    rank 0's at tensor_parallel_size 1; a TP node reads the disk and serves none)."""
-    if engine_config.tensor_parallel_size > 1:
-        if engine_config.load_format == "peer":
-            raise ValueError("engine.load_format peer needs tensor_parallel_size 1 (a TP node loads from the disk)")
-        return {}
+    """LLMEngine's weights, rank_weights and keep_weights for this node: every rank reads its
+    own weights from the same rank of a seed (engine.load_format) and keeps them to serve
+    (engine.weight_seed)."""
+    from services.security.credentials import process_credentials
+    tp = engine_config.tensor_parallel_size
+    credentials = process_credentials()
+    return dict(weights=rank_weight_source(mesh, node.node_id, engine_config, credentials, transfer, 0),
+                rank_weights=functools.partial(rank_weight_source, mesh, node.node_id, engine_config, credentials)
+                if tp > 1 else None,
+                keep_weights=engine_config.weight_seed)
+
+
+def rank_weight_source(mesh: MeshConfig, node_id: str, engine_config, credentials, transfer, rank: int):
+    """Rank `rank`'s WeightSource (a module function: TP workers are handed it with their
+    own transfer engine)."""
     from common.runner.weight_source import DiskWeights
-    weights = DiskWeights(engine_config.model, engine_config.weight_bucket_bytes)
-    if engine_config.load_format != "disk":
-        from services.node.weight_loader import PeerWeights
-        weights = PeerWeights(mesh, node.node_id, transfer, weights, strict=engine_config.load_format == "peer")
-    return dict(weights=weights, keep_weights=engine_config.weight_seed)
+    disk = DiskWeights(engine_config.model, engine_config.weight_bucket_bytes)
+    if engine_config.load_format == "disk" or transfer is None:
+        return disk
+    from services.node.weight_loader import PeerWeights
+    return PeerWeights(mesh, node_id, transfer, disk, strict=engine_config.load_format == "peer",
+                       tensor_parallel_size=engine_config.tensor_parallel_size, rank=rank, credentials=credentials)
 
 
 def _close_loaded(loading: asyncio.Future) -> None:
@@ -198,17 +208,36 @@ class EngineNode:
         self.moved = NodeBytes(self.transfer, self.rank_writers)
         self.metrics = NodeMetrics(node.node_id, self.engine.snapshot, self.moved,   # served by the node server
                                    expert_tokens=self.engine.expert_tokens,
-                                   weights=(self.llm_engine.loaded_weights, self.weight_seed))
+                                   weights=(self.weights_loaded, self.weight_seed))
 
     def _seed(self, engine_config):
-        """The WeightSeed service of a node that keeps its weights, else None."""
+        """The WeightSeed service of a node whose every rank keeps its weights, else None."""
         loaded = self.llm_engine.loaded_weights
-        if loaded.pool is None:
+        tp = self.llm_engine.tp
+        others = tp.weight_ranks if tp is not None else []
+        if loaded.pool is None or not all(others) or (tp is not None and tp.writers is None):
             return None
-        from services.node.weight_seed import RankPool, WeightSeedService
-        return WeightSeedService(self.node.node_id, self.llm_engine.weights_identity,
-                                 [RankPool(0, self.transfer, loaded.pool)], engine_config.max_weight_clients,
-                                 self.mesh.timeouts.weight_lease_s)
+        from common.runner.served_weights import RankPool
+        from protos.pdmesh.v1 import weights_pb2
+        from services.node.weight_seed import WeightSeedService
+        ranks = [RankPool(0, self.transfer, loaded.pool)]
+        if tp is not None:
+            from common.parallel.rank_weights import WorkerRankPool
+            ranks += [WorkerRankPool(r, tp.writers, weights_pb2.RankWeights.FromString(raw))
+                      for r, raw in enumerate(others, start=1)]
+        return WeightSeedService(self.node.node_id, self.llm_engine.weights_identity, ranks,
+                                 engine_config.max_weight_clients, self.mesh.timeouts.weight_lease_s)
+
+    def weights_loaded(self) -> tuple[str, str, int, float]:
+        """(source, seed, bytes, seconds) of every rank's weights: "disk" or "peer" when
+        all ranks agree, else "mixed"; the seed when all read the same one; the slowest
+        rank's seconds."""
+        first = self.llm_engine.loaded_weights
+        ranks = [dict(source=first.source, seed=first.seed, nbytes=first.nbytes, seconds=first.seconds)]
+        ranks += self.llm_engine.tp.loaded if self.llm_engine.tp is not None else []
+        sources, seeds = {r["source"] for r in ranks}, {r["seed"] for r in ranks}
+        return (sources.pop() if len(sources) == 1 else "mixed", seeds.pop() if len(seeds) == 1 else "",
+                sum(r["nbytes"] for r in ranks), max(r["seconds"] for r in ranks))
 
     def _store_client(self, address: str) -> KVStoreClient | RankStoreClients:
         """The kv-store handle: at TP > 1 one client per rank, each storing that rank's
@@ -283,9 +312,8 @@ class EngineNode:
             kv_blocks_staged=self.staging.pool.num_staged if self.staging else 0,
             rank_bytes_read=self.rank_writers.bytes_read if self.rank_writers else 0,
             borrowed_core_steps=s["borrowed_core_steps"],
-            weights_source=self.llm_engine.loaded_weights.source, weights_seed=self.llm_engine.loaded_weights.seed,
-            weights_bytes=self.llm_engine.loaded_weights.nbytes,
-            weights_load_seconds=self.llm_engine.loaded_weights.seconds,
+            **dict(zip(("weights_source", "weights_seed", "weights_bytes", "weights_load_seconds"),
+                       self.weights_loaded())),
             weight_leases_granted=self.weight_seed.leases_granted if self.weight_seed is not None else 0)
 
 

@@ -101,21 +101,23 @@ class ExpertCollector:
 
 
 class WeightsCollector:
-    """Where the node's weights came from (LoadedWeights) and, as a seed, its loaders
-    (WeightSeedService or None)."""
+    """Where the node's weights came from (loaded: () -> (source, seed, bytes, seconds),
+    EngineNode.weights_loaded) and, as a seed, its loaders (WeightSeedService or None)."""
 
     def __init__(self, node_id: str, loaded, seed):
         self.node_id, self.loaded, self.seed = node_id, loaded, seed
 
     def collect(self):
-        labels = [self.node_id, self.loaded.source, self.loaded.seed]
-        loaded = GaugeMetricFamily(name("weights_loaded_bytes"), "Parameter bytes this node loaded, by source "
-                                   "(disk or peer) and the seed it read from.", labels=["node", "source", "seed"])
-        loaded.add_metric(labels, self.loaded.nbytes)
+        source, seed, nbytes, load_s = self.loaded()
+        labels = [self.node_id, source, seed]
+        loaded = GaugeMetricFamily(name("weights_loaded_bytes"), "Parameter bytes this node loaded (every rank), by "
+                                   "source (disk, peer or mixed) and the seed it read from.",
+                                   labels=["node", "source", "seed"])
+        loaded.add_metric(labels, nbytes)
         yield loaded
-        seconds = GaugeMetricFamily(name("weights_load_seconds"), "Seconds the node took to fill its parameters.",
-                                    labels=["node", "source", "seed"])
-        seconds.add_metric(labels, self.loaded.seconds)
+        seconds = GaugeMetricFamily(name("weights_load_seconds"), "Seconds the node took to fill its parameters "
+                                    "(its slowest rank).", labels=["node", "source", "seed"])
+        seconds.add_metric(labels, load_s)
         yield seconds
         if self.seed is not None:
             clients = GaugeMetricFamily(name("weight_seed_clients"), "Loaders reading this node's weights now.",

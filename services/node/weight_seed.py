@@ -4,7 +4,9 @@ weights registered with the transfer engine.
 
 Lifecycle of a loader's lease:
     OpenWeights     identity and TP size must be this node's (FAILED_PRECONDITION), fewer
-                    than max_clients leases held (RESOURCE_EXHAUSTED); the first lease
+                    than max_clients loaders holding leases, or the caller one of them (each
+                    rank of a tensor-parallel loader takes a lease of its own;
+                    RESOURCE_EXHAUSTED); the first lease
                     registers every rank's pool with its transfer engine; the reply carries
                     each rank's endpoint, base address and manifest (bucket checksums)
     ...             the loader reads buckets one-sided; RenewWeights every lease_s / 3
@@ -27,39 +29,16 @@ import logging
 import os
 import secrets
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import grpc
 
-from common.model.weight_pool import WeightPool
-from common.transfer.base import Region, TransferEngine
+from common.runner.served_weights import RankPool
 from protos.pdmesh.v1 import common_pb2, weights_pb2, weights_pb2_grpc
 
 log = logging.getLogger("pdmesh.node")
 CORRUPT_BUCKET_ENV = "PDMESH_FAULT_CORRUPT_WEIGHT_BUCKET"
 SWEEP_S = 1.0     # how often lapsed leases are looked for
-
-
-@dataclass
-class RankPool:
-    """One rank's served weights: registered with `transfer` while a lease is held."""
-    rank: int
-    transfer: TransferEngine
-    pool: WeightPool
-    region: Region | None = None
-
-    def register(self) -> None:
-        self.region = self.transfer.register(self.pool.address, self.pool.nbytes)
-
-    def unregister(self) -> None:
-        region, self.region = self.region, None
-        if region is not None:
-            self.transfer.unregister(region)
-
-    def to_proto(self) -> weights_pb2.RankWeights:
-        return weights_pb2.RankWeights(rank=self.rank, transfer_endpoint=self.transfer.endpoint,
-                                       base_address=self.pool.address, manifest=self.pool.manifest.to_proto())
 
 
 class WeightSeedService(weights_pb2_grpc.WeightSeedServicer):
@@ -80,12 +59,12 @@ class WeightSeedService(weights_pb2_grpc.WeightSeedServicer):
 
     def info(self) -> common_pb2.WeightSeedInfo:
         return common_pb2.WeightSeedInfo(identity=self.identity, tensor_parallel_size=self.tensor_parallel_size,
-                                         total_bytes=sum(r.pool.nbytes for r in self.ranks),
+                                         total_bytes=sum(r.nbytes for r in self.ranks),
                                          max_clients=self.max_clients)
 
     @property
     def registered(self) -> bool:
-        return any(r.region is not None for r in self.ranks)
+        return any(r.registered for r in self.ranks)
 
     async def OpenWeights(self, request, context):
         if request.identity != self.identity or request.tensor_parallel_size != self.tensor_parallel_size:
@@ -93,9 +72,11 @@ class WeightSeedService(weights_pb2_grpc.WeightSeedServicer):
                                 f"this seed serves identity {self.identity} at tensor_parallel_size "
                                 f"{self.tensor_parallel_size}; asked for {request.identity[:64]!r} at "
                                 f"{request.tensor_parallel_size}")
+        loader = request.loader_node_id[:128]
         async with self._lock:
             await self._expire()
-            if len(self.leases) >= self.max_clients:
+            loaders = {held for held, _ in self.leases.values()}
+            if (loader not in loaders or not loader) and len(loaders) >= self.max_clients:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     f"this seed serves {self.max_clients} loader(s) at a time (max_weight_clients); "
                                     "try another seed or the disk")
@@ -107,12 +88,11 @@ class WeightSeedService(weights_pb2_grpc.WeightSeedServicer):
                     log.error("%s: cannot register its weights for a loader: %s", self.node_id, e)
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "this seed cannot expose its weights now")
             lease_id = secrets.token_hex(16)
-            loader = request.loader_node_id[:128]
             self.leases[lease_id] = (loader, self.clock() + self.lease_s)
         self.leases_granted += 1
         self._ensure_sweeper()
         log.info("%s: serving its weights (%.1f MB) to %s (%d loader(s) now)", self.node_id,
-                 sum(r.pool.nbytes for r in self.ranks) / 1e6, loader or "a loader", len(self.leases))
+                 sum(r.nbytes for r in self.ranks) / 1e6, loader or "a loader", len(self.leases))
         return weights_pb2.OpenWeightsResponse(lease_id=lease_id, lease_s=self.lease_s,
                                                ranks=[r.to_proto() for r in self.ranks])
 

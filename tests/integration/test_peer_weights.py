@@ -147,11 +147,12 @@ def test_a_seed_exposes_its_weights_only_while_a_lease_is_held(mesh):
             with pytest.raises(grpc.RpcError) as refused:
                 stub.OpenWeights(wrong, timeout=5)
             assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            ask = weights_pb2.OpenWeightsRequest(identity=info.weight_seed.identity, tensor_parallel_size=1,
-                                                 loader_node_id="test")
-            leases = [stub.OpenWeights(ask, timeout=5) for _ in range(info.weight_seed.max_clients)]
+            def ask(loader):
+                return weights_pb2.OpenWeightsRequest(identity=info.weight_seed.identity, tensor_parallel_size=1,
+                                                      loader_node_id=loader)
+            leases = [stub.OpenWeights(ask(f"test-{k}"), timeout=5) for k in range(info.weight_seed.max_clients)]
             with pytest.raises(grpc.RpcError) as full:
-                stub.OpenWeights(ask, timeout=5)
+                stub.OpenWeights(ask("one-too-many"), timeout=5)
             assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             rank = leases[0].ranks[0]
             manifest = Manifest.from_proto(rank.manifest)
@@ -206,3 +207,20 @@ def test_a_node_of_another_identity_with_load_format_peer_refuses_to_start(mesh)
                        "engine": {"load_format": "peer", "dtype": "bfloat16"}}, timeout_s=60)
     assert "engine.load_format is peer but no weight seed could serve decode-bf16: no live weight seed of this " \
            "model identity" in log_of(mesh, "decode-bf16")
+
+
+def test_tensor_parallel_nodes_read_rank_by_rank_from_a_tensor_parallel_seed(start_mesh, model):
+    mesh = start_mesh(model, nodes=[("decode", "tp-seed")], top={
+        "engine": {**ENGINE, "tensor_parallel_size": 2, "weight_bucket_bytes": BUCKET}, "timeouts": TIMEOUTS})
+    mesh.add_node({"role": "decode", "node_id": "tp-loader", "engine": {"load_format": "peer"}})
+    seed, s = stats(mesh, "tp-seed"), stats(mesh, "tp-loader")
+    assert (seed.weights_source, s.weights_source, s.weights_seed) == ("disk", "peer", "tp-seed")
+    assert s.weights_bytes == seed.weights_bytes and seed.weight_leases_granted == 2   # a lease per rank
+    info = members(mesh)
+    assert info["tp-loader"].weight_seed == info["tp-seed"].weight_seed     # it serves them in turn
+    assert info["tp-seed"].weight_seed.tensor_parallel_size == 2
+    assert "tensor-parallel rank 1: weights from peer seed tp-seed" in log_of(mesh, "tp-loader")
+    with only(mesh, "tp-seed"):
+        from_disk = generate_all(mesh)
+    with only(mesh, "tp-loader"):
+        assert generate_all(mesh) == from_disk

@@ -61,7 +61,8 @@ def test_leases_register_the_weights_only_while_held_and_lapse(seed_pool):
     transfer, clock = FakeTransfer(), Clock()
     service = WeightSeedService("seed-0", IDENTITY, [RankPool(0, transfer, seed_pool)], max_clients=2,
                                 lease_s=LEASE_S, clock=clock)
-    ask = weights_pb2.OpenWeightsRequest(identity=IDENTITY, tensor_parallel_size=1, loader_node_id="n1")
+    def ask(loader: str) -> weights_pb2.OpenWeightsRequest:
+        return weights_pb2.OpenWeightsRequest(identity=IDENTITY, tensor_parallel_size=1, loader_node_id=loader)
 
     async def run():
         server, channel = await serve(service)
@@ -74,15 +75,17 @@ def test_leases_register_the_weights_only_while_held_and_lapse(seed_pool):
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await stub.OpenWeights(wrong)
                 assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and not registered()
-            first = await stub.OpenWeights(ask)
+            first = await stub.OpenWeights(ask("n1"))
             assert registered() and first.lease_s == LEASE_S
             rank = first.ranks[0]
             assert (rank.transfer_endpoint, rank.base_address) == (transfer.endpoint, seed_pool.address)
             assert rank.manifest == seed_pool.manifest.to_proto()
-            second = await stub.OpenWeights(ask)
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await stub.OpenWeights(ask)
+            second = await stub.OpenWeights(ask("n2"))
+            with pytest.raises(grpc.aio.AioRpcError) as e:          # a third loader
+                await stub.OpenWeights(ask("n3"))
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            rank1 = await stub.OpenWeights(ask("n1"))               # another rank of a loader admitted
+            await stub.CloseWeights(weights_pb2.WeightLease(lease_id=rank1.lease_id))
             await stub.CloseWeights(weights_pb2.WeightLease(lease_id=first.lease_id))
             assert registered()                               # the second lease still holds them
             clock.now += LEASE_S - 1
@@ -93,7 +96,7 @@ def test_leases_register_the_weights_only_while_held_and_lapse(seed_pool):
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.RenewWeights(weights_pb2.WeightLease(lease_id=second.lease_id))
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
-            assert not registered() and service.leases == {} and service.leases_granted == 2
+            assert not registered() and service.leases == {} and service.leases_granted == 3
         finally:
             await channel.close()
             await server.stop(None)
