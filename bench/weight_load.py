@@ -18,8 +18,9 @@ disk-cold, median over rounds.
 
 Then, on the generated model, with this process as a loader (a Mooncake engine of its own
 reading the seed's buckets exactly as a node does, under an OpenWeights lease):
-  checksums  whole reads with every bucket checksummed on a second thread (as a node does)
-             against the same reads without, alternating: the cost of checking
+  checksums  whole reads with every bucket checksummed after them (as a node does: its
+             buffer unregistered first, two threads) against the same reads without,
+             alternating: the cost of checking
   seed TPOT  a 96-token greedy stream through the gateway on the seed with no loader, and
              with a loader reading its weights over and over meanwhile, alternating: the
              median gap between tokens of each
@@ -38,7 +39,6 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from common.config import mesh_config_from_dict  # noqa: E402
-from common.model.weight_pool import Manifest, checksum  # noqa: E402
+from common.model.weight_pool import Manifest, WeightPool  # noqa: E402
 from common.transfer.mooncake import MooncakeTransfer  # noqa: E402
 from protos.pdmesh.v1 import (common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc,  # noqa: E402
                               meta_pb2, meta_pb2_grpc, weights_pb2, weights_pb2_grpc)
@@ -160,28 +160,25 @@ class Loader:
         return {n.node_id: n for n in reply.nodes}
 
     def read_all(self, check: bool) -> float:
-        """Seconds to read every bucket (and check each when asked); raises on a mismatch."""
+        """Seconds to read every bucket, and (check) to checksum them after, as a node does
+        (PeerWeights.pull: the buffer unregistered first, two threads); raises on a mismatch."""
         reply = self.stub.OpenWeights(weights_pb2.OpenWeightsRequest(
             identity=self.seed.weight_seed.identity, tensor_parallel_size=1, loader_node_id="bench"), timeout=10)
         rank = reply.ranks[0]
         manifest = Manifest.from_proto(rank.manifest)
-        buf = torch.empty(manifest.total_bytes, dtype=torch.uint8)
-        region = self.transfer.register(buf.data_ptr(), manifest.total_bytes)
+        pool = WeightPool(torch.empty(manifest.total_bytes, dtype=torch.uint8), manifest)
         try:
             start = time.perf_counter()
-            with ThreadPoolExecutor(1) as hasher:
-                checks = []
-                for i, (off, length) in enumerate(manifest.buckets()):
-                    self.transfer.read(rank.transfer_endpoint, [(buf.data_ptr() + off, rank.base_address + off, length)],
-                                       timeout_s=60)
-                    if check:
-                        view = memoryview(buf[off:off + length].numpy())
-                        checks.append((i, hasher.submit(checksum, view)))
-                for i, future in checks:
-                    assert future.result() == manifest.bucket_checksums[i], f"bucket {i}"
+            region = self.transfer.register(pool.address, manifest.total_bytes)
+            for i in range(manifest.num_buckets):
+                off, length = manifest.bucket_range(i)
+                self.transfer.read(rank.transfer_endpoint, [(pool.address + off, rank.base_address + off, length)],
+                                   timeout_s=60)
+            self.transfer.unregister(region)
+            if check:
+                assert pool.failed_buckets() == [], "a bucket's checksum differs"
             return time.perf_counter() - start
         finally:
-            self.transfer.unregister(region)
             self.stub.CloseWeights(weights_pb2.WeightLease(lease_id=reply.lease_id), timeout=10)
 
     def close(self) -> None:

@@ -9,6 +9,8 @@ seed the fourth's loader falls through."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from tests.integration.test_mesh import assert_no_blocks_in_use, request, stream
 
 BUCKET = 1 << 16
 PROMPTS = [[(7919 * i + 31 * k) % 1000 + 3 for i in range(20 + 9 * k)] for k in range(4)]
-TIMEOUTS = {"weight_read_s": 5.0, "weight_call_s": 2.0, "weight_lease_s": 20.0}
+TIMEOUTS = {"weight_read_s": 2.0, "weight_call_s": 2.0, "weight_lease_s": 20.0}   # a stall costs 2 x 2 s
 FAULTS = {"PDMESH_FAULT_INJECTION": "1"}
 HANG_GUARD_S = 60.0
 
@@ -199,6 +201,30 @@ def test_a_seed_killed_mid_read_sends_the_node_on_to_the_next_seed_then_the_disk
     assert "decode-0: mooncake read" in text and "decode-2: checksum mismatch" in text
     with only(mesh, loader):
         assert generate_all(mesh) == disk_tokens
+
+
+def test_a_seed_that_stalls_mid_read_is_given_up_on_within_the_read_timeout(mesh, tmp_path):
+    stalled = next(n for n in members(mesh) if n.startswith("late-"))     # the last test's node, a seed now
+    gate = tmp_path / "go"
+    loader = loader_id_trying_first(stalled, [stalled, "decode-2"], "patient")
+    started = mesh.add_node({"role": "decode", "node_id": loader}, wait=False,
+                            env={**FAULTS, "PDMESH_FAULT_WEIGHT_READ_GATE": str(gate)})
+    deadline = time.monotonic() + HANG_GUARD_S
+    while "waiting for" not in log_of(mesh, loader):
+        assert time.monotonic() < deadline, "the loader never reached its gate"
+        time.sleep(0.05)
+    pid = mesh.services[stalled].process.pid
+    os.killpg(pid, signal.SIGSTOP)
+    try:
+        gate.write_text("go")
+        started()
+    finally:
+        os.killpg(pid, signal.SIGCONT)
+    assert stats(mesh, loader).weights_source == "disk"
+    text = log_of(mesh, loader)
+    assert f"{stalled}: mooncake read with" in text and "timed out" in text
+    assert "stays allocated and registered, unused" in text      # the read gave up with bytes in flight
+    mesh.kill(loader)
 
 
 def test_a_node_of_another_identity_with_load_format_peer_refuses_to_start(mesh):
