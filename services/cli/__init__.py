@@ -19,6 +19,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "services.cli.serve",
     "services.cli.up",
     "services.cli.admin",
+    "services.cli.drain",
     "services.cli.top",
     "services.cli.kv_store",
     "services.cli.health",

@@ -1,4 +1,4 @@
-"""`pdmesh certs init DIR [--config MESH.yaml] [--names a,b] [--hosts h1,h2] [--days N] [--force]`:
+"""`pdmesh certs init DIR [--config MESH.yaml] [--names a,b] [--hosts h1,h2] [--pool NAME=N] [--days N] [--force]`:
 make the TLS files of a mesh (services/security/certs.py) for security.tls_dir / $PDMESH_TLS_DIR.
 
 DIR (created 0700) gets a fresh mesh CA (ca.crt, ca.key), NAME.crt + NAME.key for every
@@ -8,6 +8,9 @@ admin:operator, clientAuth) for `pdmesh admin` and health checks. Keys are mode 
 Services: --names, else those of --config (meta-server, meta-server-1..K for standbys,
 gateway, kv-store, every node_id), else one shared "service". Every service cert names
 localhost, 127.0.0.1, ::1, each --hosts entry and each host of --config as its SANs.
+--pool NAME=N (repeatable) adds the N pods of a scaled pool (deploy/k8s: the StatefulSet
+NAME, pods NAME-0 .. NAME-{N-1}, each registering as its pod name): a cert for each, and
+the SAN *.NAME (the pods' names under its headless Service) on every cert.
 
 An existing DIR/ca.key is replaced only with --force (every cert the old CA signed stops
 verifying against the new one). Exit code 0; 2 on a bad argument or an existing CA.
@@ -27,6 +30,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     init.add_argument("--config", default="", metavar="MESH.yaml", help="take service names and hosts from it")
     init.add_argument("--names", default="", metavar="A,B,...", help="service names (overrides --config's)")
     init.add_argument("--hosts", default="", metavar="H1,H2,...", help="extra DNS names / IPs for every service")
+    init.add_argument("--pool", action="append", default=[], metavar="NAME=N",
+                      help="a scaled pool's pods NAME-0..NAME-{N-1}: a cert each, SAN *.NAME (repeatable)")
     init.add_argument("--days", type=int, default=365, help="validity in days (default: %(default)s)")
     init.add_argument("--force", action="store_true", help="replace an existing CA in DIR")
     return p
@@ -34,6 +39,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def _split(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def pool_names(specs: list[str]) -> tuple[list[str], list[str]]:
+    """--pool NAME=N entries -> (the pods' names NAME-0 .. NAME-{N-1}, hosts *.NAME);
+    ValueError naming the entry."""
+    names, hosts = [], []
+    for spec in specs:
+        name, _, count = spec.partition("=")
+        if not name or not count.isdigit() or int(count) < 1:
+            raise ValueError(f"--pool must be NAME=N with N >= 1 (the pool's most pods), got {spec!r}")
+        names += [f"{name}-{i}" for i in range(int(count))]
+        hosts.append(f"*.{name}")
+    return names, hosts
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
             names = names or service_names(mesh)
             hosts += hosts_of(mesh)
             cluster = mesh.cluster
+        pods, pod_hosts = pool_names(args.pool)
+        names, hosts = names + pods, hosts + pod_hosts
         written = init_certs(args.dir, names, hosts, days=args.days, cluster=cluster, force=args.force)
     except FileExistsError:
         print(f"pdmesh certs init: error: {Path(args.dir) / CA_KEY_FILE} exists; a new CA would invalidate "

@@ -315,10 +315,15 @@ class MeshProcesses:
 
     def admin_channel(self):
         """A blocking channel to the meta-server as the operator (admin token)."""
+        return self.operator_channel(self.meta_address)
+
+    def operator_channel(self, address: str):
+        """A blocking channel to any service of the mesh as the operator (admin token; with
+        TLS, admin.crt): MetaAdmin, and the stats an operator may read (GetEngineStats)."""
         from services.security.client_auth import client_channel
         from services.security.client_creds import admin_token
         token = admin_token(self.mesh.security.admin_token_file, environ=self.environ, address=self.meta_address)
-        return client_channel(self.meta_address, bearer=token, tls=self.client_tls(), sync=True)
+        return client_channel(address, bearer=token, tls=self.client_tls(), sync=True)
 
     def _wait_healthy(self, svc: Service, timeout_s: float, replan: bool = True) -> None:
         """Until svc's own process serves (wait_healthy). With replan, the leading
@@ -454,6 +459,34 @@ class MeshProcesses:
             return None
         return finish
 
+    def remove_node(self, name: str, grace_s: float = 30.0) -> int | None:
+        """Stop engine node `name` and forget it: SIGTERM (it stops serving and deregisters),
+        SIGKILL past grace_s; then it leaves `services` (the supervisor of `pdmesh up` no
+        longer restarts it, stop() no longer stops it) and its port the planned ones.
+        Blocks until it exited; returns its exit code (None when it never ran). It does not
+        drain the node: a caller that must lose no request drains it first and waits until
+        it is idle (services/cli/autoscaler.py). A thread other than the one iterating
+        `services` may call it when that one iterates over a copy."""
+        svc = self.services[name]
+        if svc.role not in ("prefill", "decode", "both"):
+            raise ValueError(f"{name} is a {svc.role}, not an engine node")
+        proc = svc.process
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=grace_s)
+                self._say(f"{name:<12} stopped")
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                self._say(f"{name:<12} killed after {grace_s:.0f}s")
+        self.services.pop(name, None)
+        self.planned_ports.discard(svc.port)
+        return None if proc is None else proc.returncode
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.services[name].process
         if proc is not None and proc.poll() is None:
@@ -466,7 +499,7 @@ class MeshProcesses:
         put, deregistering from the meta-server). SIGKILL past grace_s per tier."""
         tiers = [["gateway"], ["prefill", "decode", "both"], ["kv-store"], ["meta-server"]]
         for roles in tiers:
-            running = [s for s in self.services.values() if s.role in roles
+            running = [s for s in list(self.services.values()) if s.role in roles
                        and s.process is not None and s.process.poll() is None]
             for svc in reversed(running):
                 try:

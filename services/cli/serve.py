@@ -3,7 +3,10 @@
 ROLE is meta-server, gateway, kv-store, prefill, decode or both; engine roles pick their
 entry of `nodes` by --node-id (default: the first node of that role). --port / --meta /
 --kv-store / --metrics-port / --advertise-host override the file, so a launcher can hand
-out free ports and a pod its own name.
+out free ports and a pod its own name. --node-name NAME makes an engine node register as
+NAME with --node-id's entry as everything else (role, ports, engine fields): the pods of a
+scaled pool (deploy/k8s: StatefulSet decode-pool, NAME its pod's name) share one entry;
+its certificate is NAME's own (NAME.crt: with TLS a node registers only as itself).
 
 Credentials (services/security/credentials.py): the cluster secret (or TLS files), the
 admin token and the gateway's API keys come from the config's `security:` section and
@@ -29,6 +32,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("role", choices=ROLES)
     p.add_argument("--config", required=True, help="mesh YAML (e.g. deploy/local.yaml)")
     p.add_argument("--node-id", default="", help="engine roles: which nodes[] entry")
+    p.add_argument("--node-name", default="",
+                   help="engine roles: register as this node id, with --node-id's entry as its config "
+                        "(a pod of a scaled pool: its own name)")
     p.add_argument("--port", type=int, default=None, help="override the configured port")
     p.add_argument("--meta", default="", help="override the meta-server address HOST:PORT")
     p.add_argument("--kv-store", default="", help="override the kv-store address HOST:PORT")
@@ -89,6 +95,17 @@ def _node_config(mesh, role: str, node_id: str):
     raise ValueError(f"nodes has no entry of role {role!r}")
 
 
+def with_node_name(node_cfg, role: str, name: str):
+    """node_cfg (a nodes[] entry) as the node `name`: its own id (what it registers as, and
+    its certificate's name), everything else the entry's. ValueError for a role that is
+    not an engine's or an empty name."""
+    if node_cfg is None:
+        raise ValueError(f"--node-name is for the engine roles (prefill, decode, both), not {role}")
+    if not name.strip():
+        raise ValueError("--node-name must not be empty")
+    return dataclasses.replace(node_cfg, node_id=name.strip())
+
+
 def _with_advertise_host(mesh, node_cfg, role: str, host: str):
     """(mesh, node_cfg) with role's advertise_host set to host."""
     if node_cfg is not None:
@@ -125,6 +142,8 @@ async def _serve(args) -> None:
     from services.security.credentials import install, load_credentials
     mesh = _apply_overrides(load_mesh_config(args.config), args)
     node_cfg = _node_config(mesh, args.role, args.node_id) if args.role in ("prefill", "decode", "both") else None
+    if args.node_name:
+        node_cfg = with_node_name(node_cfg, args.role, args.node_name)
     if args.metrics_port is not None:
         mesh, node_cfg = _with_metrics_port(mesh, node_cfg, args.role, args.metrics_port)
     if args.advertise_host:

@@ -1,4 +1,5 @@
-"""`pdmesh up --config FILE [--log-dir DIR] [--demo] [--no-core-plan] [--no-borrow-cores]`: a whole mesh on this host.
+"""`pdmesh up --config FILE [--log-dir DIR] [--demo] [--autoscale ROLE=MIN:MAX,...] [--no-core-plan]
+[--no-borrow-cores]`: a whole mesh on this host.
 
 Lifecycle:
   load the config -> make the built-in tiny model when the config names `tiny_arch` and
@@ -38,6 +39,14 @@ MAX_BACKOFF_S), with a status line for the exit and one for the restart; the oth
 serving meanwhile. The mesh is stopped only on Ctrl-C / SIGTERM, or when one service
 failed to start MAX_START_FAILURES times in a row.
 
+Autoscaling (--autoscale prefill=1:3,decode=1:3; services/cli/autoscaler.py, docs/planner.md):
+the config must enable the meta-server's planner (meta_server.planner); every planner
+interval the supervisor reads its decision and starts nodes (ids ROLE-a1, ROLE-a2, ...,
+weights from a live peer by default) or drains one: DrainNode, then, once the node has
+nothing running, waiting or moving KV, SIGTERM. Never outside [MIN, MAX] per role; a role
+not named is left as configured. One status line per action; the nodes it started stop
+with the mesh.
+
 Exit code: 0 after a clean stop or a successful demo; 1 when the mesh did not start, a
 service kept failing to start, or a demo request failed; 2 on a bad config.
 """
@@ -64,6 +73,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64,
                    help="--demo: tokens per request (an instruct model's answer may end before)")
     p.add_argument("--start-timeout", type=float, default=120.0, help="seconds per service")
+    p.add_argument("--autoscale", default="", metavar="ROLE=MIN:MAX,...",
+                   help="follow the planner: start and drain engine nodes within these bounds per role "
+                        "(e.g. prefill=1:3,decode=1:3; needs meta_server.planner.enabled)")
     p.add_argument("--no-core-plan", action="store_true",
                    help="leave every service on every core with torch's default threads (a host shared "
                         "with other work, where a pinned engine could not move off a busy core)")
@@ -138,12 +150,16 @@ class _HealthWatch:
         self.next_poll = time.monotonic() + HEALTH_POLL_S
         self._channels: dict[str, tuple[str, object]] = {}   # name -> (address, channel)
 
-    def poll(self) -> None:
+    def poll(self, skip=lambda name: False) -> None:
+        """skip(name): a service not to ask now (one the autoscaler is starting or stopping)."""
         if time.monotonic() < self.next_poll:
             return
         self.next_poll = time.monotonic() + HEALTH_POLL_S
-        for name, svc in self.mesh.services.items():
-            if svc.process is None or svc.process.poll() is not None:
+        for name in [n for n in self._channels if n not in self.mesh.services]:   # removed (autoscale)
+            self.unhealthy.pop(name, None)
+            self._drop(name)
+        for name, svc in list(self.mesh.services.items()):
+            if svc.process is None or svc.process.poll() is not None or skip(name):
                 continue   # an exit has its own lines
             why = self._ask(name, svc.address)
             if why and name not in self.unhealthy:
@@ -197,25 +213,35 @@ class _Restarts:
         return min(FIRST_BACKOFF_S * 2 ** len(self.times), MAX_BACKOFF_S)
 
 
-def _supervise(mesh, start_timeout_s: float) -> int:
+def _supervise(mesh, start_timeout_s: float, autoscaler=None) -> int:
     """Restart what exits, until a signal (KeyboardInterrupt) or until one service failed
-    to start MAX_START_FAILURES times in a row (-> 1)."""
-    restarts = {name: _Restarts() for name in mesh.services}
+    to start MAX_START_FAILURES times in a row (-> 1). autoscaler: stepped every round;
+    the nodes it owns now (starting, draining, stopping) are its own to watch."""
+    restarts: dict[str, _Restarts] = {}
     health = _HealthWatch(mesh)
     try:
-        return _supervise_with(mesh, start_timeout_s, restarts, health)
+        return _supervise_with(mesh, start_timeout_s, restarts, health, autoscaler)
     finally:
         health.close()
 
 
-def _supervise_with(mesh, start_timeout_s: float, restarts: dict, health: _HealthWatch) -> int:
+def _supervise_with(mesh, start_timeout_s: float, restarts: dict, health: _HealthWatch, autoscaler=None) -> int:
+    owns = autoscaler.owns if autoscaler is not None else (lambda name: False)
+    failed = ""
     while True:
         time.sleep(0.2)
-        health.poll()
-        for name, svc in mesh.services.items():
-            if svc.process.poll() is None:
+        if autoscaler is not None:
+            try:
+                autoscaler.step()
+            except Exception as e:   # noqa: BLE001 (a bug in the autoscaler must not stop the mesh it scales)
+                if repr(e) != failed:
+                    print(f"{'autoscale':<12} {'':<11} step failed: {e!r}; trying again", flush=True)
+                failed = repr(e)
+        health.poll(skip=owns)
+        for name, svc in list(mesh.services.items()):
+            if svc.process.poll() is None or owns(name):
                 continue
-            state = restarts[name]
+            state = restarts.setdefault(name, _Restarts())
             delay = state.backoff_s(time.monotonic())
             print(f"{name:<12} exited with code {svc.process.returncode}; restarting in {delay:.1f}s "
                   f"(log: {svc.log_path})", flush=True)
@@ -261,6 +287,13 @@ def run(args: argparse.Namespace) -> int:
         for node in mesh_cfg.nodes:   # engine fields valid (cpu_cores among them) before anything starts
             check_role(node.role, mesh_cfg.engine_config(node).tensor_parallel_size, mesh_cfg.transfer.backend)
         mesh_cfg.engine_config()
+        bounds = {}
+        if args.autoscale:
+            from services.cli.autoscale_plan import check_autoscale, parse_autoscale
+            if args.demo:
+                raise ValueError("--autoscale follows the load of a serving mesh; --demo stops after a few prompts")
+            bounds = parse_autoscale(args.autoscale)
+            check_autoscale(mesh_cfg, bounds)
         ensure_model(mesh_cfg)
         _check_tensor_parallel(mesh_cfg)
     except (OSError, ValueError, PullError) as e:
@@ -274,6 +307,7 @@ def run(args: argparse.Namespace) -> int:
     interrupts = _Interrupts()
     code = 0
     recorded: dict[str, str] = {}
+    autoscaler = None
     try:
         address = mesh.start(timeout_s=args.start_timeout)
         recorded = _record(mesh)
@@ -288,7 +322,14 @@ def run(args: argparse.Namespace) -> int:
                             tls=mesh.client_tls(cert_name=None), http_address=mesh.http_address,
                             model=mesh_cfg.model, chat=not mesh_cfg.tiny_arch)
         else:
-            code = _supervise(mesh, args.start_timeout)
+            if bounds:
+                from services.cli.autoscale_local import LocalMesh
+                from services.cli.autoscaler import Autoscaler
+                interval_s = mesh_cfg.meta.planner.interval_s
+                autoscaler = Autoscaler(LocalMesh(mesh), bounds, interval_s)
+                print(f"{'autoscale':<12} {'':<11} " + ", ".join(f"{role} {b} nodes" for role, b in bounds.items())
+                      + f", following the planner (every {interval_s:g}s)", flush=True)
+            code = _supervise(mesh, args.start_timeout, autoscaler)
     except KeyboardInterrupt:
         pass
     except RuntimeError as e:
@@ -298,6 +339,8 @@ def run(args: argparse.Namespace) -> int:
             code = 1
     finally:
         interrupts.fired = True
+        if autoscaler is not None:
+            autoscaler.close()
         mesh.stop(grace_s=GRACE_S)
         if recorded:
             from services.security.mesh_secrets import clear_state

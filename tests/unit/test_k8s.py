@@ -29,10 +29,12 @@ CANN_MOUNTS = ("/usr/local/dcmi", "/usr/local/bin/npu-smi", "/usr/local/Ascend/d
                "/usr/local/Ascend/driver/version.info", "/etc/ascend_install.info")
 ACCELERATOR = {"cpu": (None, "cpu"), "ascend": ("huawei.com/Ascend910", "npu"), "nvidia": ("nvidia.com/gpu", "cuda")}
 SECRET_ENV = {"PDMESH_ADMIN_TOKEN_FILE": "admin_token", "PDMESH_API_KEYS_FILE": "api_keys"}
+# kinds of CRDs that kubernetes-validate has no schema of: checked by the test named
+CUSTOM_KINDS = {"ScaledObject": "tests/unit/test_k8s_autoscaling.py (KEDA's documented fields)"}
 
 
 # --- the kustomize subset these manifests use: resources, namespace, labels (pairs,
-# includeTemplates), configMapGenerator (files; behavior create | replace; no name
+# includeTemplates), configMapGenerator (files; behavior create | replace | merge; no name
 # suffix), patches (strategic merge, lists merged by the Kubernetes merge keys) ---
 
 MERGE_KEYS = {"containers": "name", "initContainers": "name", "volumes": "name", "env": "name",
@@ -69,9 +71,9 @@ def _build(folder: Path) -> list[dict]:
             name, _, src = f.rpartition("=") if "=" in f else (f, "", f)
             data[name] = (folder / src).read_text()
         cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]}, "data": data}
-        if gen.get("behavior") == "replace":   # keeps the metadata the base gave it
+        if gen.get("behavior") in ("replace", "merge"):   # keeps the metadata the base gave it
             [old] = [o for o in objs if (o["kind"], o["metadata"]["name"]) == ("ConfigMap", gen["name"])]
-            old["data"] = data
+            old["data"] = data if gen["behavior"] == "replace" else {**old["data"], **data}
         else:
             objs.append(cm)
     for p in k.get("patches", []):
@@ -126,6 +128,8 @@ def test_fallback_renderer_agrees_with_kubectl(name):
 def test_every_object_is_valid_kubernetes(overlay):
     _, objs, _, _ = overlay
     for (kind, name), obj in objs.items():
+        if kind in CUSTOM_KINDS:
+            continue
         try:
             kubernetes_validate.validate(copy.deepcopy(obj), K8S_VERSION, strict=True)
         except kubernetes_validate.ValidationError as e:
@@ -172,8 +176,17 @@ def _service_port(objs, host: str, port: int):
 
 # --- ports, probes, Services ---
 
+def _is_pool(args) -> bool:
+    """A scaled pool's pods: each registers as its pod name (serve --node-name)."""
+    return bool(getattr(args, "node_name", ""))
+
+
 def _tls_name(args) -> str:
-    """The certificate a `pdmesh serve` loads (services/security/credentials.tls_files)."""
+    """The certificate a `pdmesh serve` loads (services/security/credentials.tls_files) and
+    its probes present; a pool's pods load their own (POD.crt) and are probed with the first
+    pod's, which every pod of the pool mounts (test_k8s_autoscaling.py)."""
+    if _is_pool(args):
+        return f"{args.node_id}-0"
     return args.node_id if args.role in ENGINE_ROLES else args.role
 
 
@@ -232,7 +245,10 @@ def test_every_service_of_the_mesh_runs_once_from_the_configmap(overlay):
         key = args.node_id if args.role in ENGINE_ROLES else args.role
         assert key not in served, f"{key} runs in {served.get(key)} and {name}"
         served[key] = name
-        if args.role in ENGINE_ROLES:
+        if args.role in ENGINE_ROLES and _is_pool(args):   # test_k8s_autoscaling.py checks the rest
+            assert mesh.node(args.node_id).role == args.role
+            assert wl["kind"] == "StatefulSet" and wl["spec"]["serviceName"] == args.node_id, name
+        elif args.role in ENGINE_ROLES:
             assert mesh.node(args.node_id).role == args.role
             assert wl["kind"] == "Deployment" and wl["spec"]["replicas"] == 1, \
                 f"{name}: a node_id is one pod (a second would be refused as a live node_id)"

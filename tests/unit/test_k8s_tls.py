@@ -7,12 +7,14 @@ from __future__ import annotations
 import pytest
 
 from services.security.bind_policy import PlaintextBindError, check_mesh_binds
-from tests.unit.test_k8s import _secret_mount, _serve, _tls_name, _workloads, overlay  # noqa: F401 (fixture)
+from tests.unit.test_k8s import _is_pool, _secret_mount, _serve, _tls_name, _workloads, overlay  # noqa: F401
+from tests.unit.test_k8s_autoscaling import pool_certs
 
 
 def test_every_service_runs_tls_with_only_its_own_key(overlay):
     """Secure by default: PDMESH_TLS_DIR is the Secret pdmesh-tls (from `pdmesh certs
-    init`), holding the CA's certificate and the service's own pair only; with it every
+    init`), holding the CA's certificate and the service's own pair only (a scaled pool's
+    pods: the pairs of the pool's pod names, one pod template for all); with it every
     service's 0.0.0.0 bind passes the plaintext policy, without it each would refuse."""
     _, objs, mesh, _ = overlay
     assert ("Secret", "pdmesh-tls") not in objs, "no key is committed"
@@ -24,8 +26,9 @@ def test_every_service_runs_tls_with_only_its_own_key(overlay):
         args, c = _serve(wl)
         [tls_dir] = [e["value"] for e in c["env"] if e["name"] == "PDMESH_TLS_DIR"]
         path, files = _secret_mount(wl, c, "pdmesh-tls")
-        own = _tls_name(args)
-        assert path == tls_dir and files == {f: f for f in ("ca.crt", f"{own}.crt", f"{own}.key")}, name
+        owns = pool_certs(objs, name) if _is_pool(args) else [_tls_name(args)]   # a pool: its pods' own
+        assert path == tls_dir and files == {f: f for f in ("ca.crt", *(f"{own}.{ext}" for own in owns
+                                                                        for ext in ("crt", "key")))}, name
         tls_dirs.add(tls_dir)
     [tls_dir] = tls_dirs
     check_mesh_binds(mesh, environ={"PDMESH_TLS_DIR": tls_dir})
