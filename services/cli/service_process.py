@@ -53,6 +53,13 @@ class Service:
         return f"{self.http_scheme}://{self.host}:{self.http_port}" if self.http_port else ""
 
 
+# the service binds its port a few seconds after it was spawned: without these, gRPC backs
+# off 1 s, then 1.6 s, ... between connection attempts, and a service that binds just
+# after an attempt is seen up to seconds late (every `pdmesh up` and test mesh waited so)
+HEALTH_POLL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                       ("grpc.max_reconnect_backoff_ms", 250)]
+
+
 def listening_ports(pid: int) -> set[int] | None:
     """The TCP ports process pid listens on (from /proc; set() once it has exited), or
     None where the OS has no /proc to read them from."""
@@ -92,7 +99,7 @@ def wait_healthy(address: str, timeout_s: float, process: subprocess.Popen | Non
     from services.security.client_auth import client_channel
     deadline = time.monotonic() + timeout_s
     port = int(address.rsplit(":", 1)[1])
-    with client_channel(address, tls=tls, sync=True) as channel:
+    with client_channel(address, tls=tls, sync=True, options=HEALTH_POLL_OPTIONS) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if process is not None and process.poll() is not None:
