@@ -26,13 +26,14 @@ class WorkerRankPool:
         self.writers.wait(self.writers.write(self.rank, order), order)
 
     def register(self) -> None:
+        self.registered = True      # first: a registration that fails or times out is undone too
         self._order(True)
-        self.registered = True
 
     def unregister(self) -> None:
-        if self.registered:
-            self.registered = False
-            self._order(False)
+        """Always sent (the worker's side is idempotent); registered clears only once the
+        worker confirmed, so a failed unregister is tried again at the next one."""
+        self._order(False)
+        self.registered = False
 
     def to_proto(self):
         return self.info

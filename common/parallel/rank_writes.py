@@ -121,18 +121,21 @@ def serve_writes(conn, sender, sync=None, weights=None) -> None:
     weights: the rank's served weights (RankPool) for WeightsOrders, or None."""
     send_lock = threading.Lock()
     pool = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="rank-write")
+    # registrations in order, on a thread of their own: never queued behind KV writes
+    # (an unregister must not miss its start deadline), never two at once
+    registrar = ThreadPoolExecutor(1, thread_name_prefix="rank-weights")
+
+    def register(order_id: int, order: WeightsOrder) -> None:
+        try:   # no start deadline: a late unregister must still happen
+            answer = (order_id, order.run(weights), None)
+        except Exception as e:
+            answer = (order_id, 0, (f"{type(e).__name__}: {e}", False))
+        with send_lock:
+            conn.send(answer)
 
     def run(order_id: int, order: WriteOrder) -> None:
         if time.monotonic() > order.not_after:
             answer = (order_id, 0, ("the transfer's start deadline passed while it waited; nothing moved", False))
-            with send_lock:
-                conn.send(answer)
-            return
-        if isinstance(order, WeightsOrder):
-            try:
-                answer = (order_id, order.run(weights), None)
-            except Exception as e:
-                answer = (order_id, 0, (f"{type(e).__name__}: {e}", False))
             with send_lock:
                 conn.send(answer)
             return
@@ -160,9 +163,11 @@ def serve_writes(conn, sender, sync=None, weights=None) -> None:
                 return
             if message is None:
                 return
-            pool.submit(run, *message)
+            (registrar.submit(register, *message) if isinstance(message[1], WeightsOrder)
+             else pool.submit(run, *message))
     finally:
         pool.shutdown(wait=True)
+        registrar.shutdown(wait=True)
         conn.close()
 
 

@@ -119,7 +119,8 @@ def main(spec: WorkerSpec, writes_conn=None) -> None:
     store = make_store(spec.rank, size, spec.store_port)
     key = f"{spec.group_name}/"
     try:
-        # the transfer engine first: a loader reads a weight seed's memory with it
+        _set_device(spec.device)    # before the transfer engine: a device transport reads the current device
+        # the transfer engine before the weights: a loader reads a weight seed's memory with it
         transfer = spec.transfer_factory() if spec.transfer_factory is not None else None
         runner = _load(spec, transfer)
         loaded = runner.model.loaded_weights
@@ -146,6 +147,16 @@ def main(spec: WorkerSpec, writes_conn=None) -> None:
         sys.exit(1)
 
 
+def _set_device(name: str) -> None:
+    import torch
+    device = torch.device(name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif device.type == "npu":
+        import torch_npu  # noqa: F401  (untested here: no Ascend device)
+        torch.npu.set_device(device)
+
+
 def _load(spec: WorkerSpec, transfer):
     import torch
 
@@ -158,11 +169,6 @@ def _load(spec: WorkerSpec, transfer):
 
     cfg = spec.config
     device = torch.device(spec.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    elif device.type == "npu":
-        import torch_npu  # noqa: F401  (untested here: no Ascend device)
-        torch.npu.set_device(device)
     mcfg = load_model_config(cfg.model)
     shard = plan_shard(mcfg, cfg.tensor_parallel_size, spec.rank, cfg.enable_expert_parallel)
     model, kv_cache = load_rank(mcfg, get_backend(cfg.kernel_backend, device), DTYPE_BY_NAME[spec.dtype], device,

@@ -56,8 +56,8 @@ class Service:
 # the service binds its port a few seconds after it was spawned: without these, gRPC backs
 # off 1 s, then 1.6 s, ... between connection attempts, and a service that binds just
 # after an attempt is seen up to seconds late (every `pdmesh up` and test mesh waited so)
-HEALTH_POLL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                       ("grpc.max_reconnect_backoff_ms", 250)]
+# (min_reconnect_backoff_ms is left alone: gRPC takes it as the connect timeout)
+HEALTH_POLL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 250)]
 
 
 def listening_ports(pid: int) -> set[int] | None:

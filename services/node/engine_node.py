@@ -11,6 +11,7 @@ begins membership -> close() leaves the mesh, stops the engine and the transfer 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -125,7 +126,8 @@ def weight_options(mesh: MeshConfig, node: NodeConfig, engine_config, transfer: 
     (engine.weight_seed)."""
     from services.security.credentials import process_credentials
     tp = engine_config.tensor_parallel_size
-    credentials = process_credentials()
+    # a worker rank calls the meta-server and seeds as a mesh member: the mesh's identity only
+    credentials = dataclasses.replace(process_credentials(), admin_token=None, api_keys=())
     return dict(weights=rank_weight_source(mesh, node.node_id, engine_config, credentials, transfer, 0),
                 rank_weights=functools.partial(rank_weight_source, mesh, node.node_id, engine_config, credentials)
                 if tp > 1 else None,
@@ -137,6 +139,8 @@ def rank_weight_source(mesh: MeshConfig, node_id: str, engine_config, credential
     own transfer engine)."""
     from common.runner.weight_source import DiskWeights
     disk = DiskWeights(engine_config.model, engine_config.weight_bucket_bytes)
+    if engine_config.load_format == "peer" and transfer is None:
+        raise ValueError("engine.load_format peer needs a transfer engine on every rank")
     if engine_config.load_format == "disk" or transfer is None:
         return disk
     from services.node.weight_loader import PeerWeights
@@ -216,6 +220,7 @@ class EngineNode:
         tp = self.llm_engine.tp
         others = tp.weight_ranks if tp is not None else []
         if loaded.pool is None or not all(others) or (tp is not None and tp.writers is None):
+            loaded.pool = None     # a node serves all its ranks or none: rank 0's pool is not kept for nothing
             return None
         from common.runner.served_weights import RankPool
         from protos.pdmesh.v1 import weights_pb2

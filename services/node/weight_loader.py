@@ -148,8 +148,9 @@ class PeerWeights:
         (unsettled) may yet land: the pool is then kept, registered, for the life of the
         process, and never used."""
         region = self.transfer.register(pool.address, pool.nbytes)
-        faulted = Prefault(pool)
+        faulted = None
         try:
+            faulted = Prefault(pool)
             for i in range(pool.manifest.num_buckets):
                 if i == 1:
                     _wait_at_gate()
@@ -160,7 +161,7 @@ class PeerWeights:
                 self.transfer.read(endpoint, [(pool.address + offset, base_address + offset, length)],
                                    timeout_s=self.timeouts.weight_read_s)
         except TransferError as e:
-            faulted.stop()
+            faulted.stop()          # set: only a read raises TransferError
             if e.unsettled:
                 _QUARANTINED.append((pool, region))
                 log.error("weights: a read from %s gave up with bytes in flight: its %.1f MB buffer stays allocated "
@@ -169,7 +170,8 @@ class PeerWeights:
             self.transfer.unregister(region)
             raise
         except BaseException:
-            faulted.stop()
+            if faulted is not None:
+                faulted.stop()
             self.transfer.unregister(region)
             raise
         self.transfer.unregister(region)

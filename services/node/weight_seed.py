@@ -75,7 +75,7 @@ class WeightSeedService(weights_pb2_grpc.WeightSeedServicer):
         loader = request.loader_node_id[:128]
         async with self._lock:
             await self._expire()
-            loaders = {held for held, _ in self.leases.values()}
+            loaders = {held or lease_id for lease_id, (held, _) in self.leases.items()}   # each anonymous one apart
             if (loader not in loaders or not loader) and len(loaders) >= self.max_clients:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     f"this seed serves {self.max_clients} loader(s) at a time (max_weight_clients); "
@@ -151,7 +151,7 @@ class WeightSeedService(weights_pb2_grpc.WeightSeedServicer):
             self._sweeper.cancel()
         async with self._lock:
             self.leases.clear()
-            self._unregister()
+            await asyncio.to_thread(self._unregister)
 
     def _inject_corruption(self) -> None:
         if self._corrupt is None:
