@@ -316,3 +316,36 @@ def test_a_worker_read_past_its_start_deadline_moves_nothing():
     writers.close()
     own_t.close()
     store_t.close()
+
+
+class Weights:
+    """A worker's served weights stand-in (common/runner/served_weights.RankPool)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def register(self):
+        self.calls.append("register")
+
+    def unregister(self):
+        self.calls.append("unregister")
+
+
+def test_weight_registration_orders_are_answered_while_every_write_thread_is_busy():
+    from common.parallel.rank_weights import WorkerRankPool
+    from common.parallel.rank_writes import WRITE_THREADS
+    release, weights = threading.Event(), Weights()
+    ours, theirs = multiprocessing.Pipe()
+    threading.Thread(target=serve_writes, args=(theirs, Sender(block=release), None, weights), daemon=True).start()
+    writers = RankWriters([ours])
+    busy = [writers.write(1, order(timeout_s=30.0)) for _ in range(WRITE_THREADS + 2)]   # every write thread held
+    served = WorkerRankPool(1, writers, info=None)
+    try:
+        served.register()           # answered though no write thread is free (a late unregister would leave
+        assert served.registered    # the weights exposed)
+        served.unregister()
+        assert (served.registered, weights.calls) == (False, ["register", "unregister"])
+    finally:
+        release.set()
+    assert [f.result(timeout=10) for f in busy] == [200] * len(busy)
+    writers.close()
