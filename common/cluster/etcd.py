@@ -26,6 +26,7 @@ import grpc
 from common.cluster.base import (DEFAULT_TTL_S, AdminStore, Backoff, ClusterKeys, Membership,
                                  MemberView, OnChange, RetryLog, StoreUnavailableError,
                                  lease_backoff, lease_ttl_seconds, refresh_interval)
+from common.tasks import cancel_task  # noqa: F401 (re-exported: it lived here)
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +111,6 @@ class EtcdCluster:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
-
-
-async def cancel_task(task: asyncio.Task | None) -> None:
-    if task is not None:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
 
 class EtcdMembership(Membership):

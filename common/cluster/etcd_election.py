@@ -42,7 +42,8 @@ import aetcd
 
 from common.cluster.base import (DEFAULT_TTL_S, ClusterKeys, LeaderElection, RetryLog, check_name,
                                  lease_backoff, lease_ttl_seconds, refresh_interval)
-from common.cluster.etcd import cancel_task, store_call
+from common.cluster.etcd import store_call
+from common.tasks import cancel_task
 
 log = logging.getLogger(__name__)
 

@@ -122,7 +122,8 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or limit
         self._weights, self._keep_weights = weights, keep_weights
         mix_path = resolved_w8a8_mix_path(config)
-        self.weights_identity = weights_identity(
+        # what a weight seed and its loader compare (a few small reads): only where weights move
+        self.weights_identity = "" if weights is None and not keep_weights else weights_identity(
             config.model, dtype_name(self.dtype), type(quantization_config(config.model, mix_path)).__name__, mix_path,
             config.tensor_parallel_size, config.enable_expert_parallel)
         start = time.perf_counter()

@@ -52,6 +52,14 @@ class Region:
         return self.address <= address and address + length <= self.address + self.length
 
 
+def without_region(regions: tuple[Region, ...], region: Region) -> tuple[Region, ...]:
+    """regions less region; ValueError when it is not one of them."""
+    if region not in regions:
+        raise ValueError(f"region ({region.address:#x}, {region.length}) is not registered")
+    i = regions.index(region)
+    return regions[:i] + regions[i + 1:]
+
+
 def regions_hold(regions, address: int, length: int) -> bool:
     """True if [address, address + length) lies inside one of the regions."""
     return any(r.holds(address, length) for r in regions)

@@ -18,7 +18,7 @@ import itertools
 import threading
 import time
 
-from common.transfer.base import Region, TransferEngine, TransferError, regions_hold
+from common.transfer.base import Region, TransferEngine, TransferError, regions_hold, without_region
 
 
 class FakeTransfer(TransferEngine):
@@ -57,11 +57,7 @@ class FakeTransfer(TransferEngine):
 
     def unregister(self, region: Region) -> None:
         with self._lock:
-            if region not in self._regions:
-                raise ValueError(f"region ({region.address:#x}, {region.length}) is not registered")
-            regions = list(self._regions)
-            regions.remove(region)
-            self._regions = tuple(regions)
+            self._regions = without_region(self._regions, region)
 
     def fail_next(self, n: int = 1, error: BaseException | None = None) -> None:
         """The next n writes or reads raise `error` (default TransferError) and copy nothing."""

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from common.transfer.base import Region, TransferEngine, TransferError, regions_hold
+from common.transfer.base import Region, TransferEngine, TransferError, regions_hold, without_region
 from common.transfer.grpc_wire import (bytes_address, decode_chunk, encode_chunk, encode_read_chunks,
                                        scatter_read_chunks)
 from protos.pdmesh.v1 import transfer_pb2
@@ -108,11 +108,7 @@ class GrpcTransfer(TransferEngine):
 
     def unregister(self, region: Region) -> None:
         with self._lock:
-            if region not in self._regions:
-                raise ValueError(f"region ({region.address:#x}, {region.length}) is not registered")
-            regions = list(self._regions)
-            regions.remove(region)
-            self._regions = tuple(regions)
+            self._regions = without_region(self._regions, region)
 
     def _contains(self, address: int, length: int) -> bool:
         return regions_hold(self._regions, address, length)

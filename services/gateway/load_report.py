@@ -25,6 +25,7 @@ import time
 
 import grpc
 
+from common.tasks import cancel_task
 from protos.pdmesh.v1 import meta_pb2
 
 log = logging.getLogger("pdmesh.gateway")
@@ -101,10 +102,5 @@ class LoadReporter:
 
     async def close(self) -> None:
         """Stop the task (what was added since the last report is not sent)."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_task(self._task)
+        self._task = None

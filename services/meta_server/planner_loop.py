@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from common.planner_config import PlannerConfig
+from common.tasks import cancel_task
 from services.meta_server.load_window import LoadWindow, RequestTotals
 from services.meta_server.planner import ROLES, NodeProfile, Planner, PlannerDecision
 from services.meta_server.planner_inputs import PlannerInputs, RoutedTokens, gather
@@ -100,10 +101,5 @@ class PlannerLoop:
                               self.cfg.interval_s)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_task(self._task)
+        self._task = None

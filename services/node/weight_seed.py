@@ -34,6 +34,7 @@ from typing import Callable
 import grpc
 
 from common.runner.served_weights import RankPool
+from common.tasks import cancel_task
 from protos.pdmesh.v1 import common_pb2, weights_pb2, weights_pb2_grpc
 
 log = logging.getLogger("pdmesh.node")
@@ -147,8 +148,7 @@ class WeightSeedService(weights_pb2_grpc.WeightSeedServicer):
                 await self._expire()
 
     async def close(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        await cancel_task(self._sweeper)
         async with self._lock:
             self.leases.clear()
             await asyncio.to_thread(self._unregister)
