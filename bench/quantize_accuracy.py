@@ -6,7 +6,8 @@ agreement / KL against the float model, per scheme.
     python bench/quantize_accuracy.py [--model smollm2] [--schemes w8a8-dynamic:compressed-tensors,...]
         [--max-tokens 0] [--out bench/results/quantize_accuracy.json]
 
-A scheme is SCHEME:FORMAT[:rtn|gptq][:nosmooth][:int8-head] (int8-head: evaluated with
+A scheme is SCHEME:FORMAT[:rtn|gptq][:nosmooth][:minmax][:int8-head] (minmax: static W8A8's
+activation ranges from the calibration's min/max, `--static-range minmax`; int8-head: evaluated with
 `--lm-head-quantization int8`; `float:-:int8-head` is the float model with only that). The
 JSON holds every run's ppl, its change against the float model's, agreement and KL, the
 commands and seconds.
@@ -92,6 +93,8 @@ def main() -> int:
                         "--out", str(work / "q"), "--method", method, "--group-size", str(args.group_size)]
                 if "nosmooth" in rest:
                     argv.append("--no-smooth")
+                if "minmax" in rest:
+                    argv += ["--static-range", "minmax"]
                 start = time.perf_counter()
                 run(argv)
                 quantized, folder = time.perf_counter() - start, work / "q"

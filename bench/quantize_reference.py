@@ -11,8 +11,14 @@ tokens equal. Beside it, the same reference run in float32: how far float32 roun
 moves each scheme's perplexity (W8A8's rounding decisions flip under it).
 
     python bench/quantize_reference.py [--model smollm2] [--schemes w8a8-dynamic:compressed-tensors,...]
-        [--max-tokens 0] [--greedy-prompts 4] [--greedy-tokens 32]
+        [--max-tokens 0] [--greedy-prompts 4] [--greedy-tokens 32] [--nudged-runs 0]
         [--out bench/results/quantize_reference.json]
+
+A scheme name ending ":minmax" quantizes static activations over the calibration's min/max
+(`--static-range minmax`) instead of the searched clip. --nudged-runs N: N more engine runs
+of each checkpoint with its embedding table moved by one float32 step at random (seeded;
+a third of the entries up, a third down): how far float32 inference of the same scheme
+spreads by rounding alone, beside how far it sits from the float64 reference.
 
 --max-tokens: only the first N tokens of GPL-3 scored by both (float64 transformers is the
 slow side: about 2 minutes a scheme for the whole text on 2 cores); 0 = the whole text
@@ -31,6 +37,7 @@ from pathlib import Path
 
 import torch
 from bench_model import ROOT, model_folder
+from safetensors.torch import load_file, save_file
 
 from common.engine import LLM, SamplingParams  # noqa: E402
 from services.bench.machine import machine_info  # noqa: E402
@@ -48,6 +55,7 @@ SCHEMES = {   # name (":gptq": --method gptq) -> (pdmesh quantize --scheme, --fo
                                         lambda q: w8a8_reference_model(q, divisor=127.5)),
     "w8a8-dynamic:modelslim": ("w8a8-dynamic", "modelslim", lambda q: modelslim_reference(q, "dynamic")),
     "w8a8:modelslim": ("w8a8", "modelslim", lambda q: modelslim_reference(q, "static")),
+    "w8a8:modelslim:minmax": ("w8a8", "modelslim", lambda q: modelslim_reference(q, "static")),
     "w4a16:compressed-tensors": ("w4a16", "compressed-tensors", lambda q: w4a16_reference_model(q, GROUP_SIZE)),
     "w4a16:compressed-tensors:gptq": ("w4a16", "compressed-tensors", lambda q: w4a16_reference_model(q, GROUP_SIZE)),
     "c8:modelslim": ("c8", "modelslim", c8_reference),
@@ -79,6 +87,27 @@ def greedy64(model, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
+def nudged_copy(folder: Path, out: Path, seed: int) -> Path:
+    """folder copied to out with model.embed_tokens.weight moved one float32 step up or down
+    at random (seeded), stored as float32."""
+    shutil.copytree(folder, out)
+    for f in out.glob("*.safetensors"):
+        tensors = load_file(f)
+        if "model.embed_tokens.weight" in tensors:
+            e = tensors["model.embed_tokens.weight"].float()
+            way = torch.randint(-1, 2, e.shape, generator=torch.Generator().manual_seed(seed))
+            up, down = torch.nextafter(e, torch.tensor(float("inf"))), torch.nextafter(e, torch.tensor(float("-inf")))
+            tensors["model.embed_tokens.weight"] = torch.where(way > 0, up, torch.where(way < 0, down, e))
+            save_file(tensors, str(f), metadata={"format": "pt"})
+            return out
+    raise SystemExit(f"{folder}: no model.embed_tokens.weight to nudge")
+
+
+def engine_ppl(folder: Path, ids: list[int], args) -> float:
+    with LLM(str(folder), kernel_backend="cpu", dtype="float32") as llm:
+        return perplexity(ids, args.window, args.stride, EngineScorer(llm)).ppl
+
+
 def reference_context(name: str, model):
     return patched(model) if name.startswith("c8") else contextlib.nullcontext()
 
@@ -92,6 +121,7 @@ def main() -> int:
     ap.add_argument("--stride", type=int, default=256)
     ap.add_argument("--greedy-prompts", type=int, default=4)
     ap.add_argument("--greedy-tokens", type=int, default=32)
+    ap.add_argument("--nudged-runs", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "quantize_reference.json"))
     args = ap.parse_args()
     names = [n for n in args.schemes.split(",") if n]
@@ -113,6 +143,8 @@ def main() -> int:
             out = work / name.replace(":", "-")
             quantize = ["quantize", str(model), "--scheme", scheme, "--format", fmt, "--calib", str(calib),
                         "--group-size", str(GROUP_SIZE), "--method", method, "--out", str(out)]
+            if name.endswith(":minmax"):
+                quantize += ["--static-range", "minmax"]
             if pdmesh(quantize) != 0:
                 raise SystemExit(f"pdmesh {' '.join(quantize)} failed")
             start = time.perf_counter()
@@ -128,6 +160,10 @@ def main() -> int:
                               if name in GREEDY else [])
                 max_window = llm.engine.max_model_len - 1
             engine_s = time.perf_counter() - start
+            nudged = [engine_ppl(nudged_copy(out, work / f"nudged-{seed}", seed), ids, args)
+                      for seed in range(args.nudged_runs)]
+            for seed in range(args.nudged_runs):
+                shutil.rmtree(work / f"nudged-{seed}")
             start = time.perf_counter()
             ref_model = reference(out)
             with reference_context(name, ref_model):
@@ -141,6 +177,9 @@ def main() -> int:
                    "reference_fp32_ppl": ref32.ppl, "reference_fp32_diff": ref32.ppl / ref.ppl - 1,
                    "scored": ours.scored, "num_windows": ours.num_windows,
                    "engine_seconds": engine_s, "reference_seconds": reference_s}
+            if nudged:
+                run["nudged_ppls"] = nudged
+                run["nudged_diffs"] = [p / ref.ppl - 1 for p in nudged]
             if our_tokens:
                 run["greedy_tokens_equal"] = our_tokens == ref_tokens
                 run["greedy_positions_equal"] = sum(a == b for x, y in zip(our_tokens, ref_tokens)
@@ -152,6 +191,9 @@ def main() -> int:
             print(f"{name:34s} pdmesh eval {ours.ppl:.4f}, float64 reference {ref.ppl:.4f} "
                   f"({100 * run['ppl_diff']:+.3f}%; the reference in float32 {ref32.ppl:.4f}, "
                   f"{100 * run['reference_fp32_diff']:+.3f}%){tokens}", flush=True)
+            if nudged:
+                print(f"{'':34s} nudged embeddings: {', '.join(f'{100 * d:+.3f}%' for d in run['nudged_diffs'])}",
+                      flush=True)
             shutil.rmtree(out, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)

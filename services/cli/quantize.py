@@ -2,7 +2,8 @@
 
     pdmesh quantize MODEL --scheme w8a8|w8a8-dynamic|w8a8-mix|w4a16|c8|w8a8-mix+c8|... \
         --format modelslim|compressed-tensors --calib FILE --out DIR
-        [--smooth-alpha auto|0.5 | --no-smooth] [--method rtn|gptq] [--group-size 128]
+        [--smooth-alpha auto|0.5 | --no-smooth] [--static-range search|minmax]
+        [--method rtn|gptq] [--group-size 128]
         [--num-prompts 32] [--prompt-len 256]
 
 --calib: a text file (cut into prompts of --prompt-len tokens) or a JSONL file (one
@@ -38,6 +39,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="W8A8: SmoothQuant strength in [0, 1], or auto: per layer, the strength with the least "
                         "W8A8 output error on the calibration sample (default: %(default)s)")
     p.add_argument("--no-smooth", action="store_true", help="W8A8: plain round-to-nearest, no smoothing")
+    p.add_argument("--static-range", default="search",
+                   help="W8A8 static: each input's range, minmax (the calibration's) or search (the clip of it with "
+                        "the least quantized output error on the calibration sample) (default: %(default)s)")
     p.add_argument("--method", default="rtn", help="W4A16: rtn or gptq (default: %(default)s)")
     p.add_argument("--group-size", type=int, default=128, help="W4A16: inputs a scale (default: %(default)s)")
     p.add_argument("--num-prompts", type=int, default=32, help="calibration prompts (default: %(default)s)")
@@ -52,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         alpha = args.smooth_alpha if args.smooth_alpha == "auto" else _number("--smooth-alpha", args.smooth_alpha)
         options = QuantizeOptions(args.scheme, args.fmt, None if args.no_smooth else alpha,
-                                  args.method, args.group_size)
+                                  args.method, args.group_size, args.static_range)
         if args.num_prompts < 1 or args.prompt_len < 2:
             raise ValueError("--num-prompts must be >= 1 and --prompt-len >= 2")
         prompts = calibration_prompts(args.model, BUILTIN_TEXTS.get(args.calib, args.calib), args.num_prompts,

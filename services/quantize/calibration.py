@@ -30,8 +30,14 @@ class InputStats:
     xtx: torch.Tensor | None = None   # float64 [in, in]: sum over tokens of x x^T
     max_samples: int = 0
     samples: torch.Tensor | None = None   # float32 [<= max_samples, in]
+    static_range: tuple[float, float] | None = None   # W8A8 static's [lo, hi]; None: [min, max]
     _seen: bool = field(default=False, repr=False)
     _rng: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(0), repr=False)
+
+    @property
+    def input_range(self) -> tuple[float, float]:
+        """The [lo, hi] a static quantization of this input covers."""
+        return self.static_range or (float(self.min.min()), float(self.max.max()))
 
     @property
     def absmax(self) -> torch.Tensor:

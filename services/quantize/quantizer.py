@@ -20,12 +20,14 @@ from services.quantize.experts import QUANTIZED_EXPERT_SCHEMES, has_experts, qua
 from services.quantize.gptq import gptq_int4
 from services.quantize.kept_float import float_modules, kept_float_summary, router_gates, stays_float
 from services.quantize.smoothing import smooth
+from services.quantize.static_ranges import choose_static_ranges
 from services.quantize.writers import writer_for
 
 log = logging.getLogger("pdmesh.quantize")
 SCHEMES = ("w8a8", "w8a8-dynamic", "w8a8-mix", "w4a16", "c8")   # and "<w8a8 scheme>+c8"
 C8 = "+c8"
 METHODS = ("rtn", "gptq")
+STATIC_RANGES = ("minmax", "search")
 SAMPLES = 256      # calibration rows kept per linear layer for choosing its smoothing strength
 
 
@@ -36,6 +38,7 @@ class QuantizeOptions:
     smooth_alpha: float | str | None = "auto"   # W8A8: SmoothQuant's migration strength, "auto" per layer; None = off
     method: str = "rtn"                   # W4A16: round-to-nearest or GPTQ
     group_size: int = 128
+    static_range: str = "search"         # W8A8 static activations: "minmax" or "search" (static_ranges.py)
 
     @property
     def weights(self) -> str:
@@ -57,6 +60,8 @@ class QuantizeOptions:
         if self.smooth_alpha not in (None, "auto") and not (
                 isinstance(self.smooth_alpha, (int, float)) and 0.0 <= self.smooth_alpha <= 1.0):
             raise ValueError(f"--smooth-alpha must be 'auto' or a number in [0, 1], got {self.smooth_alpha!r}")
+        if self.static_range not in STATIC_RANGES:
+            raise ValueError(f"--static-range must be one of {list(STATIC_RANGES)}, got {self.static_range!r}")
         if self.group_size < 8 or self.group_size % 8:
             raise ValueError(f"--group-size must be a positive multiple of 8, got {self.group_size}")
 
@@ -120,7 +125,9 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, prompts: list[lis
     tensors = {name: tensor for name, tensor, _ in iter_checkpoint(model_dir)}
     kv: dict[int, dict[str, torch.Tensor]] | None = {} if options.kv_int8 else None
     auto = options.weights != "c8" and options.smooth_alpha == "auto"
-    stats = calibrate(model_dir, prompts, hessian=options.method == "gptq", kv=kv, samples=SAMPLES if auto else 0)
+    search = options.weights in ("w8a8", "w8a8-mix") and options.static_range == "search"
+    stats = calibrate(model_dir, prompts, hessian=options.method == "gptq", kv=kv,
+                      samples=SAMPLES if auto or search else 0)
     log.info("calibrated on %d prompts (%d tokens) in %.1fs", len(prompts), sum(map(len, prompts)),
              time.perf_counter() - start)
     if options.weights != "c8" and options.smooth_alpha is not None:
@@ -134,6 +141,11 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, prompts: list[lis
                  options.smooth_alpha if options.smooth_alpha != "auto" else
                  f"per layer, least {'+'.join(paths)} error on the calibration sample: "
                  + (f"{chosen[0]}..{chosen[-1]}" if chosen else "none better than unsmoothed"))
+    if search:
+        ratios = choose_static_ranges(tensors, stats)
+        clipped = sorted(r for r in ratios.values() if r < 1)
+        log.info("static activation ranges: %d of %d layers clipped below their calibration min/max%s", len(clipped),
+                 len(ratios), f" (to {clipped[0]}..{clipped[-1]} of it)" if clipped else "")
     out: dict[str, torch.Tensor] = {}
     kept: list[str] = []
     for i, st in enumerate(stats.values(), 1):

@@ -114,7 +114,7 @@ class MsModelSlimWriter:
         codes, w_scale = int8_per_channel(weight, MS_DIVISOR)
         out = {name + ".weight": codes}
         if self.kind in ("W8A8", "W8A8_MIX"):
-            s_x, offset = static_activation(float(stats.min.min()), float(stats.max.max()))
+            s_x, offset = static_activation(*stats.input_range)
             deq = (s_x * w_scale[:, 0]).float()
             b = bias.double() if bias is not None else torch.zeros(weight.shape[0], dtype=torch.float64)
             quant_bias = torch.round(b / deq.double() - offset * codes.double().sum(dim=1))

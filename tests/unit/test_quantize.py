@@ -301,3 +301,43 @@ def test_c8_calibration_leaves_the_shared_backend_as_it_was(float_model, tmp_pat
     ps = calibration_prompts(float_model, "/usr/share/common-licenses/GPL-3", 1, 32)
     quantize_model(float_model, tmp_path / "c8", ps, QuantizeOptions("c8", "modelslim"))
     assert "write_kv" not in vars(shared) and get_backend("ref", "cpu") is shared
+
+
+def test_static_ranges_are_the_clip_of_min_max_with_the_least_sample_error(outlier_model):
+    """--static-range search: per layer, the ratio of the calibration's [min, max] whose
+    static W8A8 output error on the sample is least (every candidate computed here)."""
+    from services.quantize.static_ranges import RANGE_RATIOS, choose_static_ranges, static_output_error
+    stats = calibrate(outlier_model, prompts(), samples=64)
+    tensors = load_file(outlier_model / "model.safetensors")
+    chosen = choose_static_ranges(tensors, stats)
+    assert set(chosen) == set(stats)
+    for name, st in stats.items():
+        w = torch.cat([tensors[p + ".weight"].float() for p in st.projections])
+        lo, hi = float(st.min.min()), float(st.max.max())
+        errors = {r: static_output_error(st.samples.float(), w, r * lo, r * hi) for r in RANGE_RATIOS}
+        assert chosen[name] == min(errors, key=errors.get), name
+        assert st.static_range == (chosen[name] * lo, chosen[name] * hi) and st.input_range == st.static_range
+    assert any(r < 1 for r in chosen.values())      # the outlier channel stretches min/max past the best grid
+
+
+@pytest.mark.parametrize("static_range", ["minmax", "search"])
+def test_a_static_checkpoint_is_quantized_over_the_range_chosen(outlier_model, tmp_path, static_range):
+    """What the file holds: input_scale and input_offset of min/max, or of the searched clip."""
+    from services.quantize.schemes import static_activation
+    from services.quantize.static_ranges import choose_static_ranges
+    out = quantize_model(outlier_model, tmp_path / "q", prompts(),
+                         QuantizeOptions("w8a8", "modelslim", smooth_alpha=None, static_range=static_range))
+    stats = calibrate(outlier_model, prompts(), samples=256)
+    if static_range == "search":
+        choose_static_ranges(load_file(outlier_model / "model.safetensors"), stats)
+    written = load_file(out / "quant_model_weights.safetensors")
+    for name, st in stats.items():
+        s_x, offset = static_activation(*st.input_range)
+        for p in st.projections:
+            assert float(written[p + ".input_scale"]) == pytest.approx(s_x, rel=1e-6), p
+            assert float(written[p + ".input_offset"]) == offset, p
+
+
+def test_an_unknown_static_range_is_refused_naming_the_flag():
+    with pytest.raises(ValueError, match=r"--static-range must be one of \['minmax', 'search'\], got 'percentile'"):
+        QuantizeOptions("w8a8", "modelslim", static_range="percentile")
