@@ -28,7 +28,7 @@ import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(CSRC / name for name in ("paged_decode_cpu.cpp", "layer_ops_cpu.cpp", "quant_ops_cpu.cpp",
-                                         "moe_cpu.cpp", "bindings.cpp"))
+                                         "int8_gemv_cpu.cpp", "moe_cpu.cpp", "bindings.cpp"))
 HEADERS = (CSRC / "cpu_kernels.h",)
 DISABLE_ENV = "PDMESH_CPU_EXTENSION"     # "0": never build or load it
 # Flags per CPU capability torch reports; the capability is part of the module's name, so

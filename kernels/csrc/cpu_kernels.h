@@ -21,6 +21,11 @@ std::vector<torch::Tensor> quantize_per_token(torch::Tensor x, double divisor);
 torch::Tensor dequant_rows(torch::Tensor acc, torch::Tensor col_scale, c10::optional<torch::Tensor> row_scale,
                            c10::optional<torch::Tensor> int_bias, c10::optional<torch::Tensor> bias,
                            at::ScalarType out_dtype);
+torch::Tensor quantize_per_tensor(torch::Tensor x, double scale, double offset);
+
+// int8_gemv_cpu.cpp
+bool int8_gemv_supported();
+torch::Tensor int8_gemv(torch::Tensor x_q, torch::Tensor weight);
 
 // moe_cpu.cpp
 torch::Tensor moe_experts_few_rows(torch::Tensor rows, torch::Tensor w13, torch::Tensor w2, std::vector<int64_t> counts);

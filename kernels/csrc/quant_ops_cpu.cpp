@@ -1,6 +1,6 @@
 // The two halves of a W8A8 linear layer around its int8 GEMM (torch._int_mm), each one pass
-// over its rows: per-token dynamic quantization of the activations, and the int32
-// accumulator back to floats with the scales and biases. Contracts: kernels/api.py
+// over its rows: per-token dynamic (or per-tensor static) quantization of the activations,
+// and the int32 accumulator back to floats with the scales and biases. Contracts: kernels/api.py
 // (quantize_per_token, int8_scaled_matmul); caller: kernels/cpu.py.
 //
 // Why: in torch each is 4-8 tiny ATen ops (cast, abs, amax, where, div, round, clamp, to;
@@ -9,7 +9,8 @@
 //
 // The arithmetic is the torch reference's, in float32 and in its order: scale = max|x| /
 // divisor (1 for an all-zero row), q = clamp(nearbyint(x / scale), -128, 127) (round half to
-// even, the default rounding mode); out = ((acc + int_bias) * col_scale * row_scale + bias).
+// even, the default rounding mode); static: q = clamp(nearbyint(x / scale + offset), -128, 127);
+// out = ((acc + int_bias) * col_scale * row_scale + bias).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -100,4 +101,24 @@ torch::Tensor dequant_rows(torch::Tensor acc, torch::Tensor col_scale, c10::opti
     });
   });
   return out;
+}
+
+torch::Tensor quantize_per_tensor(torch::Tensor x, double scale, double offset) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat32,
+              "x must be a float32 CPU matrix [rows, features] with contiguous rows");
+  TORCH_CHECK(scale > 0, "scale must be > 0, got ", scale);
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  auto q = torch::empty({rows, n}, x.options().dtype(torch::kInt8));
+  const float* px = x.data_ptr<float>();
+  int8_t* pq = q.data_ptr<int8_t>();
+  const float s = static_cast<float>(scale), off = static_cast<float>(offset);
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = px + r * stride;
+      int8_t* qr = pq + r * n;
+      for (int64_t i = 0; i < n; ++i)
+        qr[i] = static_cast<int8_t>(std::min(127.f, std::max(-128.f, std::nearbyint(xr[i] / s + off))));
+    }
+  });
+  return q;
 }

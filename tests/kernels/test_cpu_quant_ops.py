@@ -1,7 +1,8 @@
 """The cpu backend's C++ W8A8 halves (kernels/csrc/quant_ops_cpu.cpp) against the torch
-reference (kernels/api.py): per-token quantization code for code (round half to even, an
-all-zero row, every dtype, rows over threads), the int32 accumulator back to floats with
-every combination of scales and biases, and what each refuses."""
+reference (kernels/api.py): per-token and per-tensor quantization code for code (round half
+to even, an all-zero row, every dtype, rows over threads), the int32 accumulator back to
+floats with every combination of scales and biases, the AVX512-VNNI GEMV of a decode
+step's rows (kernels/csrc/int8_gemv_cpu.cpp) exact, and what each refuses."""
 from __future__ import annotations
 
 import pytest
@@ -70,3 +71,70 @@ def test_the_ops_refuse_what_they_cannot_read(backend):
         ext.dequant_rows(acc, torch.ones(3), torch.ones(3, 1))
     with pytest.raises(RuntimeError, match="int32 matrix"):
         ext.dequant_rows(acc.float(), torch.ones(3))
+
+
+def vnni(backend) -> bool:
+    return backend.extension.int8_gemv_supported()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("k, n", [(576, 960), (1536, 576), (64, 1), (65, 7), (100, 33), (1, 5), (4096, 130)])
+def test_int8_gemv_is_exact(backend, rows, k, n):
+    """Every row count it takes, inputs a multiple of 64 and not (the masked tail), extreme
+    codes (-128 x -128 everywhere would overflow nothing: 4096 * 2^14 < 2^31)."""
+    if not vnni(backend):
+        pytest.skip("this CPU has no AVX512-VNNI")
+    g = torch.Generator().manual_seed(rows * 7919 + k)
+    x = torch.randint(-128, 128, (rows, k), dtype=torch.int8, generator=g)
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    x[0, 0], w[0, 0] = -128, -128
+    want = (x.double() @ w.double().t()).to(torch.int32)
+    assert torch.equal(backend.extension.int8_gemv(x, w), want)
+    assert torch.equal(backend.extension.int8_gemv(torch.full((rows, k), -128, dtype=torch.int8),
+                                                   torch.full((n, k), -128, dtype=torch.int8)),
+                       torch.full((rows, n), 16384 * k, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("rows, gemv", [(1, True), (4, True), (5, False), (0, False)])
+def test_the_backend_takes_the_gemv_for_a_decode_steps_rows_only(backend, monkeypatch, rows, gemv):
+    """Up to 4 rows on int8_gemv (torch._int_mm not called), more on oneDNN; equal either way."""
+    if not vnni(backend):
+        pytest.skip("this CPU has no AVX512-VNNI")
+    calls = []
+    real = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape) or real(a, b))
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randint(-128, 128, (rows, 192), dtype=torch.int8, generator=g)
+    w = torch.randint(-128, 128, (48, 192), dtype=torch.int8, generator=g)
+    got = backend.int8_matmul(x, backend.prepare_int8_weight(w))
+    assert torch.equal(got, (x.double() @ w.double().t()).to(torch.int32))
+    assert (calls == []) == gemv
+    assert "AVX512-VNNI GEMV" in backend.int8_path
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_quantize_per_tensor_equals_the_reference_code_for_code(backend, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 200, generator=g) * 3
+    x[0, :6] = torch.tensor([-3.5, -2.5, 0.5, 1.5, 1000.0, -1000.0]) * 0.25   # ties at scale 0.25, and clamps
+    for scale, offset in ((0.25, 0.0), (0.05, -3.0), (0.013, 7.0)):
+        want = Backend.quantize_per_tensor(RefBackend(), x, scale, offset)
+        assert torch.equal(backend.quantize_per_tensor(x, scale, offset), want), (scale, offset)
+    assert backend.quantize_per_tensor(x, 0.25, 0.0)[0, :6].tolist() == [-4, -2, 0, 2, 127, -128]
+
+
+def test_the_gemv_and_static_quantizer_refuse_what_they_cannot_read(backend):
+    ext = backend.extension
+    with pytest.raises(RuntimeError, match="scale must be > 0"):
+        ext.quantize_per_tensor(torch.ones(2, 4), 0.0, 0.0)
+    with pytest.raises(RuntimeError, match="float32 CPU matrix"):
+        ext.quantize_per_tensor(torch.ones(2, 4, dtype=torch.float64), 1.0, 0.0)
+    if not vnni(backend):
+        return
+    x, w = torch.zeros(5, 64, dtype=torch.int8), torch.zeros(3, 64, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="1 to 4 rows, got 5"):
+        ext.int8_gemv(x, w)
+    with pytest.raises(RuntimeError, match="weight has 32 inputs, x_q 64"):
+        ext.int8_gemv(x[:1], torch.zeros(3, 32, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="contiguous CPU int8 matrix \\[out, in\\]"):
+        ext.int8_gemv(x[:1], torch.zeros(64, 3, dtype=torch.int8).t())
