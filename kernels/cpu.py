@@ -75,10 +75,6 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-GEMV_ROWS = 4          # int8_gemv's rows at most (kernels/csrc/int8_gemv_cpu.cpp)
-GEMV_MAX_IN = 4096     # and inputs
-
-
 def int8_gemm_path() -> str:
     """What torch._int_mm runs on this CPU (oneDNN's VNNI/AMX kernels, or ATen's exact loop)."""
     flags = cpu_flags()
@@ -90,7 +86,8 @@ def int8_gemm_path() -> str:
 
 
 class CpuBackend(RefBackend):
-    """ref's kernels; linear layers on oneDNN-packed weights; int8 GEMMs on torch._int_mm."""
+    """ref's kernels; linear layers on oneDNN-packed weights; int8 GEMMs of up to 4 rows on the
+    C++ AVX512-VNNI GEMV where the CPU has it, the others on torch._int_mm."""
 
     name = "cpu"
 
@@ -107,7 +104,8 @@ class CpuBackend(RefBackend):
     @property
     def int8_path(self) -> str:
         if self._gemv:
-            return f"up to {GEMV_ROWS} rows on pdmesh's AVX512-VNNI GEMV, more on {int8_gemm_path().removeprefix('torch.')}"
+            return (f"up to {self.extension.int8_gemv_max_rows} rows (a decode step's) on pdmesh's AVX512-VNNI GEMV, "
+                    f"more rows or over {self.extension.int8_gemv_max_in} inputs {int8_gemm_path()}")
         return int8_gemm_path()
 
     def prepare_int8_weight(self, weight: torch.Tensor) -> Any:
@@ -117,11 +115,12 @@ class CpuBackend(RefBackend):
         return weight.t()
 
     def int8_matmul(self, x_q: torch.Tensor, weight: Any) -> torch.Tensor:
-        # a decode step's few rows: each weight read once at ~28 GB/s where oneDNN's read
-        # SmolLM2's at ~18 (weights out of cache, 120 projections a step; timed by hand on
-        # a Zen 4 EPYC); exact either way
-        if self._gemv and 0 < x_q.shape[0] <= GEMV_ROWS and weight.shape[0] <= GEMV_MAX_IN and weight.t().is_contiguous():
-            return self.extension.int8_gemv(x_q.contiguous(), weight.t())
+        # a decode step's few rows: each weight row read once into every row, faster than
+        # oneDNN's int8 GEMM there (bench/int8_gemv.py); exact either way
+        ext = self.extension
+        if (self._gemv and 0 < x_q.shape[0] <= ext.int8_gemv_max_rows and weight.shape[0] <= ext.int8_gemv_max_in
+                and weight.t().is_contiguous()):
+            return ext.int8_gemv(x_q.contiguous(), weight.t())
         return torch._int_mm(x_q.contiguous(), weight)
 
     def quantize_per_tensor(self, x, scale: float, offset: float):

@@ -17,10 +17,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_rows", &dequant_rows, "((acc + int_bias) * col_scale * row_scale + bias) as out_dtype", py::arg("acc"),
         py::arg("col_scale"), py::arg("row_scale") = py::none(), py::arg("int_bias") = py::none(),
         py::arg("bias") = py::none(), py::arg("out_dtype") = at::kFloat, release());
-  m.def("quantize_per_tensor", &quantize_per_tensor, "int8 codes of x / scale + offset (static, asymmetric)",
+  m.def("quantize_per_tensor", &quantize_per_tensor, "int8 codes clamp(round-half-even(x / scale + offset)) of float32 rows (static, asymmetric)",
         py::arg("x"), py::arg("scale"), py::arg("offset"), release());
   m.def("int8_gemv_supported", &int8_gemv_supported, "whether this CPU has AVX512-VNNI for int8_gemv");
-  m.def("int8_gemv", &int8_gemv, "int8 x_q [1..4, in] @ weight [out, in]^T -> int32, exact", py::arg("x_q"),
+  m.attr("int8_gemv_max_rows") = kInt8GemvMaxRows;
+  m.attr("int8_gemv_max_in") = kInt8GemvMaxIn;
+  m.def("int8_gemv", &int8_gemv, "int8 x_q [1..4, in <= 4096] @ weight [out, in]^T -> int32, exact (AVX512-VNNI)", py::arg("x_q"),
         py::arg("weight"), release());
   m.def("moe_experts_few_rows", &moe_experts_few_rows,
         "each local expert's gated MLP over its run of rows (sorted by expert, counts per expert), unweighted",

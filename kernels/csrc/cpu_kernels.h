@@ -21,9 +21,13 @@ std::vector<torch::Tensor> quantize_per_token(torch::Tensor x, double divisor);
 torch::Tensor dequant_rows(torch::Tensor acc, torch::Tensor col_scale, c10::optional<torch::Tensor> row_scale,
                            c10::optional<torch::Tensor> int_bias, c10::optional<torch::Tensor> bias,
                            at::ScalarType out_dtype);
+// float32 x [rows, features] (contiguous rows) -> int8 clamp(nearbyint(x / scale + offset))
 torch::Tensor quantize_per_tensor(torch::Tensor x, double scale, double offset);
 
-// int8_gemv_cpu.cpp
+// int8_gemv_cpu.cpp: whether this CPU runs int8_gemv (x86 with AVX512-VNNI), and
+// x_q int8 [1..4, in <= 4096] @ weight int8 [out, in]^T (both contiguous) -> int32, exact
+constexpr int64_t kInt8GemvMaxRows = 4;      // a decode step's few rows; more go to oneDNN
+constexpr int64_t kInt8GemvMaxIn = 64 * 64;  // inputs held as 64 vectors of 64 bytes per row
 bool int8_gemv_supported();
 torch::Tensor int8_gemv(torch::Tensor x_q, torch::Tensor weight);
 

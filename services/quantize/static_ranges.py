@@ -27,17 +27,26 @@ RANGE_RATIOS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2)
 def static_output_error(x: torch.Tensor, w: torch.Tensor, lo: float, hi: float) -> float:
     """||X_q W_q^T - X W^T|| / ||X W^T|| over the rows x [tokens, in] (float32), weights w
     [out, in] int8 per output channel (divisor 127), activations static over [lo, hi]."""
+    return _errors(x, w, [(lo, hi)])[0]
+
+
+def _errors(x: torch.Tensor, w: torch.Tensor, ranges: list[tuple[float, float]]) -> list[float]:
     exact = x @ w.t()
     w_scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(TINY)
-    wq = torch.round(w / w_scale).clamp(-128, 127) * w_scale
-    s_x, off = static_activation(lo, hi)
-    xq = (torch.round(x / s_x + off).clamp(-128, 127) - off) * s_x
-    return float((xq @ wq.t() - exact).norm() / exact.norm().clamp_min(TINY))
+    wq_t = (torch.round(w / w_scale).clamp(-128, 127) * w_scale).t()
+    norm = exact.norm().clamp_min(TINY)
+    errors = []
+    for lo, hi in ranges:
+        s_x, off = static_activation(lo, hi)
+        xq = (torch.round(x / s_x + off).clamp(-128, 127) - off) * s_x
+        errors.append(float((xq @ wq_t - exact).norm() / norm))
+    return errors
 
 
 def choose_static_ranges(tensors: dict[str, torch.Tensor], stats: dict[str, InputStats]) -> dict[str, float]:
-    """Set every InputStats' static_range (calibrated with samples); tensors: checkpoint name
-    -> weight (after smoothing). Returns Linear name -> the ratio of [min, max] chosen."""
+    """Set the static_range of every InputStats (calibrated with samples) whose layer is
+    quantized (kept_float's layers are skipped); tensors: checkpoint name -> weight, after
+    smoothing. Returns Linear name -> the ratio of [min, max] chosen."""
     chosen: dict[str, float] = {}
     for name, st in stats.items():
         if any(stays_float(p) for p in st.projections):
@@ -45,9 +54,8 @@ def choose_static_ranges(tensors: dict[str, torch.Tensor], stats: dict[str, Inpu
         if st.samples is None:
             raise ValueError("choosing static ranges needs calibration samples")
         w = torch.cat([tensors[p + ".weight"].float() for p in st.projections])
-        x = st.samples.float()
         lo, hi = float(st.min.min()), float(st.max.max())
-        errors = {r: static_output_error(x, w, r * lo, r * hi) for r in RANGE_RATIOS}
+        errors = dict(zip(RANGE_RATIOS, _errors(st.samples.float(), w, [(r * lo, r * hi) for r in RANGE_RATIOS])))
         ratio = min(errors, key=errors.get)
         st.static_range = (ratio * lo, ratio * hi)
         chosen[name] = ratio

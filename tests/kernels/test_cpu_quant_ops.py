@@ -90,23 +90,29 @@ def test_int8_gemv_is_exact(backend, rows, k, n):
     x[0, 0], w[0, 0] = -128, -128
     want = (x.double() @ w.double().t()).to(torch.int32)
     assert torch.equal(backend.extension.int8_gemv(x, w), want)
-    assert torch.equal(backend.extension.int8_gemv(torch.full((rows, k), -128, dtype=torch.int8),
-                                                   torch.full((n, k), -128, dtype=torch.int8)),
-                       torch.full((rows, n), 16384 * k, dtype=torch.int32))
+    for a, b in ((-128, -128), (127, -128), (-128, 127)):    # 127 shifts to 255: the largest products
+        assert torch.equal(backend.extension.int8_gemv(torch.full((rows, k), a, dtype=torch.int8),
+                                                       torch.full((n, k), b, dtype=torch.int8)),
+                           torch.full((rows, n), a * b * k, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("rows, gemv", [(1, True), (4, True), (5, False), (0, False)])
-def test_the_backend_takes_the_gemv_for_a_decode_steps_rows_only(backend, monkeypatch, rows, gemv):
-    """Up to 4 rows on int8_gemv (torch._int_mm not called), more on oneDNN; equal either way."""
+@pytest.mark.parametrize("rows, k, prepared, gemv", [(1, 192, True, True), (4, 192, True, True),
+                                                     (5, 192, True, False), (0, 192, True, False),
+                                                     (2, 4104, True, False), (2, 192, False, False)])
+def test_the_backend_takes_the_gemv_for_a_decode_steps_rows_only(backend, monkeypatch, rows, k, prepared, gemv):
+    """Up to 4 rows of at most 4096 inputs against a prepared weight on int8_gemv
+    (torch._int_mm not called); more rows or inputs, or another weight layout, on oneDNN;
+    equal either way."""
     if not vnni(backend):
         pytest.skip("this CPU has no AVX512-VNNI")
     calls = []
     real = torch._int_mm
     monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape) or real(a, b))
     g = torch.Generator().manual_seed(rows)
-    x = torch.randint(-128, 128, (rows, 192), dtype=torch.int8, generator=g)
-    w = torch.randint(-128, 128, (48, 192), dtype=torch.int8, generator=g)
-    got = backend.int8_matmul(x, backend.prepare_int8_weight(w))
+    x = torch.randint(-128, 128, (rows, k), dtype=torch.int8, generator=g)
+    w = torch.randint(-128, 128, (48, k), dtype=torch.int8, generator=g)
+    weight = backend.prepare_int8_weight(w) if prepared else w.t().contiguous()   # [in, out] contiguous
+    got = backend.int8_matmul(x, weight)
     assert torch.equal(got, (x.double() @ w.double().t()).to(torch.int32))
     assert (calls == []) == gemv
     assert "AVX512-VNNI GEMV" in backend.int8_path
@@ -121,6 +127,19 @@ def test_quantize_per_tensor_equals_the_reference_code_for_code(backend, rows):
         want = Backend.quantize_per_tensor(RefBackend(), x, scale, offset)
         assert torch.equal(backend.quantize_per_tensor(x, scale, offset), want), (scale, offset)
     assert backend.quantize_per_tensor(x, 0.25, 0.0)[0, :6].tolist() == [-4, -2, 0, 2, 127, -128]
+
+
+def test_quantize_per_tensor_divides_as_the_reference_at_step_boundaries(backend):
+    """Inputs one float32 step either side of (j + 0.5) * scale, where x / s and x * (1 / s)
+    round apart: the C++ pass divides, as ATen's CPU division by a scalar does."""
+    scale = 0.013
+    mid = (torch.arange(-120, 120, dtype=torch.float64) + 0.5) * scale
+    x = torch.cat([torch.nextafter(mid.float(), torch.tensor(float("inf"))),
+                   torch.nextafter(mid.float(), torch.tensor(float("-inf"))), mid.float()]).reshape(3, -1)
+    reciprocal = torch.round(x * (1 / scale)).clamp(-128, 127).to(torch.int8)
+    want = Backend.quantize_per_tensor(RefBackend(), x, scale, 0.0)
+    assert not torch.equal(reciprocal, want)      # the inputs do tell the two apart
+    assert torch.equal(backend.quantize_per_tensor(x, scale, 0.0), want)
 
 
 def test_the_gemv_and_static_quantizer_refuse_what_they_cannot_read(backend):

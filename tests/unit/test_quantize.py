@@ -320,6 +320,34 @@ def test_static_ranges_are_the_clip_of_min_max_with_the_least_sample_error(outli
     assert any(r < 1 for r in chosen.values())      # the outlier channel stretches min/max past the best grid
 
 
+def test_a_range_stretched_by_two_outlier_values_is_clipped():
+    """By hand, the error computed here in float64: 256 tokens of 1,024 unit-scale inputs
+    and two single values at +-30, which stretch min/max's step to ~0.24 for every other
+    input; clipping to 0.6 of it costs those two values less than the coarse grid cost the
+    rest. Without them the range stays near min/max (0.9: a normal sample's own extremes)."""
+    from services.quantize.calibration import InputStats
+    from services.quantize.static_ranges import choose_static_ranges
+
+    def error(x, w, lo, hi):     # float64, independent of static_ranges.py
+        s = (hi - lo) / 255
+        off = round(-128 - lo / s)
+        xq = ((x / s + off).round().clamp(-128, 127) - off) * s
+        ws = w.abs().amax(1, keepdim=True) / 127
+        return float((xq @ ((w / ws).round() * ws).t() - x @ w.t()).norm() / (x @ w.t()).norm())
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 1024, generator=g, dtype=torch.float64)
+    x = torch.randn(256, 1024, generator=g)
+    for outliers, want in ((True, 0.6), (False, 0.9)):
+        rows = x.clone()
+        if outliers:
+            rows[3, 10], rows[100, 500] = 30.0, -30.0
+        st = InputStats(["p"], rows.double().amin(0), rows.double().amax(0), samples=rows)
+        assert choose_static_ranges({"p.weight": w}, {"l": st}) == {"l": want}
+        lo, hi = float(st.min.min()), float(st.max.max())
+        assert error(rows.double(), w, want * lo, want * hi) < error(rows.double(), w, lo, hi)
+
+
 @pytest.mark.parametrize("static_range", ["minmax", "search"])
 def test_a_static_checkpoint_is_quantized_over_the_range_chosen(outlier_model, tmp_path, static_range):
     """What the file holds: input_scale and input_offset of min/max, or of the searched clip."""
