@@ -66,6 +66,19 @@ def static_activation(lo: float, hi: float) -> tuple[float, float]:
     return scale, float(max(-128.0, min(127.0, round(-128.0 - lo / scale))))
 
 
+def int8_weight_as_float(w: torch.Tensor) -> torch.Tensor:
+    """w [out, in] rounded to int8 per output channel (divisor 127) and back: what the
+    quantized layer multiplies by, for measuring its error."""
+    scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(TINY)
+    return torch.round(w / scale).clamp(-128, 127) * scale
+
+
+def static_input_as_float(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """x rounded to static int8 over [lo, hi] (static_activation's scale and offset) and back."""
+    s_x, off = static_activation(lo, hi)
+    return (torch.round(x / s_x + off).clamp(-128, 127) - off) * s_x
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """int8 codes -8..7 [rows, cols] -> int32 [rows, cols / 8]: code j at bits 4 * (j % 8)
     of word j // 8, stored as q + 8 (compressed-tensors' pack-quantized)."""

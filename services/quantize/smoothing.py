@@ -17,7 +17,7 @@ import re
 import torch
 
 from services.quantize.calibration import InputStats
-from services.quantize.schemes import TINY, static_activation
+from services.quantize.schemes import TINY, int8_weight_as_float, static_input_as_float
 
 SMOOTHED = {   # Linear module name pattern -> what 1/s folds into: a norm, or the rows of a producer
     re.compile(r"layers\.(\d+)\.self_attn\.qkv"): "model.layers.{}.input_layernorm.weight",
@@ -46,8 +46,7 @@ def quantized_output_error(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, lo
     smoothing factors s applied; summed over the paths."""
     exact = x @ w.t()
     xs, ws = x / s, w * s
-    w_scale = (ws.abs().amax(1, keepdim=True) / 127).clamp_min(TINY)
-    wq = torch.round(ws / w_scale).clamp(-128, 127) * w_scale
+    wq = int8_weight_as_float(ws)
     total = 0.0
     for path in paths:
         if path.startswith("w4a16:"):
@@ -57,8 +56,7 @@ def quantized_output_error(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, lo
             total += float(((xs @ w4.t() - exact).norm(dim=1) / exact.norm(dim=1).clamp_min(TINY)).mean())
             continue
         if path == "static":
-            s_x, off = static_activation(lo, hi)
-            xq = (torch.round(xs / s_x + off).clamp(-128, 127) - off) * s_x
+            xq = static_input_as_float(xs, lo, hi)
         else:
             scale = (xs.abs().amax(1, keepdim=True) / 127).clamp_min(TINY)
             xq = torch.round(xs / scale).clamp(-128, 127) * scale

@@ -19,7 +19,7 @@ import torch
 
 from services.quantize.calibration import InputStats
 from services.quantize.kept_float import stays_float
-from services.quantize.schemes import TINY, static_activation
+from services.quantize.schemes import TINY, int8_weight_as_float, static_input_as_float
 
 RANGE_RATIOS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2)
 
@@ -32,15 +32,9 @@ def static_output_error(x: torch.Tensor, w: torch.Tensor, lo: float, hi: float) 
 
 def _errors(x: torch.Tensor, w: torch.Tensor, ranges: list[tuple[float, float]]) -> list[float]:
     exact = x @ w.t()
-    w_scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(TINY)
-    wq_t = (torch.round(w / w_scale).clamp(-128, 127) * w_scale).t()
+    wq_t = int8_weight_as_float(w).t()
     norm = exact.norm().clamp_min(TINY)
-    errors = []
-    for lo, hi in ranges:
-        s_x, off = static_activation(lo, hi)
-        xq = (torch.round(x / s_x + off).clamp(-128, 127) - off) * s_x
-        errors.append(float((xq @ wq_t - exact).norm() / norm))
-    return errors
+    return [float((static_input_as_float(x, lo, hi) @ wq_t - exact).norm() / norm) for lo, hi in ranges]
 
 
 def choose_static_ranges(tensors: dict[str, torch.Tensor], stats: dict[str, InputStats]) -> dict[str, float]:
