@@ -1,6 +1,6 @@
 """deploy/k8s/ renders, is valid Kubernetes, and agrees with the mesh config and the CLI:
 each overlay (cpu, ascend, nvidia) is rendered with `kubectl kustomize` (when kubectl is
-installed; else with the small kustomize subset below, which is checked against kubectl
+installed; else with the small kustomize subset in tests/k8s_manifests.py, checked against kubectl
 where both exist), every object is validated offline against the Kubernetes schemas
 (kubernetes-validate, strict), and probes, Services, ports, addresses, metrics ports,
 secrets and the accelerator resources line up with the ConfigMap's mesh config, in the
@@ -8,23 +8,17 @@ spirit of test_deploy's compose checks."""
 from __future__ import annotations
 
 import copy
-import shutil
-import subprocess
-from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
 
-from common.config import mesh_config_from_dict
 from services.cli import build_parser
+from tests.k8s_manifests import (ENGINE_ROLES, HAVE_KUBECTL, K8S, OVERLAYS, ROOT, is_pool,  # noqa: F401 (overlay: fixture)
+                                 kubectl_kustomize, objects_by_key, overlay, render_fallback, secret_mount,
+                                 selector_matches, serve_container, service_port, tls_name, workloads)
 
-ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ("cpu", "ascend", "nvidia")
 K8S_VERSION = "1.31.0"      # a version kubernetes-validate ships schemas for (native gRPC probes: GA in 1.27)
-WORKLOADS = ("Deployment", "StatefulSet")
-ENGINE_ROLES = ("prefill", "decode", "both")
 CANN_MOUNTS = ("/usr/local/dcmi", "/usr/local/bin/npu-smi", "/usr/local/Ascend/driver/lib64",
                "/usr/local/Ascend/driver/version.info", "/etc/ascend_install.info")
 ACCELERATOR = {"cpu": (None, "cpu"), "ascend": ("huawei.com/Ascend910", "npu"), "nvidia": ("nvidia.com/gpu", "cuda")}
@@ -33,96 +27,11 @@ SECRET_ENV = {"PDMESH_ADMIN_TOKEN_FILE": "admin_token", "PDMESH_API_KEYS_FILE": 
 CUSTOM_KINDS = {"ScaledObject": "tests/unit/test_k8s_autoscaling.py (KEDA's documented fields)"}
 
 
-# --- the kustomize subset these manifests use: resources, namespace, labels (pairs,
-# includeTemplates), configMapGenerator (files; behavior create | replace | merge; no name
-# suffix), patches (strategic merge, lists merged by the Kubernetes merge keys) ---
-
-MERGE_KEYS = {"containers": "name", "initContainers": "name", "volumes": "name", "env": "name",
-              "volumeMounts": "mountPath", "ports": "containerPort"}
-
-
-def _merge(base, patch, key=None):
-    if isinstance(base, dict) and isinstance(patch, dict):
-        out = dict(base)
-        for k, v in patch.items():
-            out[k] = _merge(base[k], v, k) if k in base else v
-        return out
-    if isinstance(base, list) and isinstance(patch, list) and key in MERGE_KEYS:
-        mk, out = MERGE_KEYS[key], list(base)
-        keys = [b.get(mk) for b in base]
-        for item in patch:   # merged in place; new items go first, in the patch's order (as kustomize)
-            if item.get(mk) in keys:
-                at = keys.index(item.get(mk))
-                out[at] = _merge(out[at], item)
-        new = [item for item in patch if item.get(mk) not in keys]
-        return new + out
-    return patch
-
-
-def _build(folder: Path) -> list[dict]:
-    k = yaml.safe_load((folder / "kustomization.yaml").read_text())
-    objs: list[dict] = []
-    for res in k.get("resources", []):
-        path = folder / res
-        objs += _build(path) if path.is_dir() else [o for o in yaml.safe_load_all(path.read_text()) if o]
-    for gen in k.get("configMapGenerator", []):
-        data = {}
-        for f in gen["files"]:
-            name, _, src = f.rpartition("=") if "=" in f else (f, "", f)
-            data[name] = (folder / src).read_text()
-        cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]}, "data": data}
-        if gen.get("behavior") in ("replace", "merge"):   # keeps the metadata the base gave it
-            [old] = [o for o in objs if (o["kind"], o["metadata"]["name"]) == ("ConfigMap", gen["name"])]
-            old["data"] = data if gen["behavior"] == "replace" else {**old["data"], **data}
-        else:
-            objs.append(cm)
-    for p in k.get("patches", []):
-        patch = yaml.safe_load((folder / p["path"]).read_text())
-        [at] = [i for i, o in enumerate(objs) if (o["kind"], o["metadata"]["name"]) ==
-                (patch["kind"], patch["metadata"]["name"])]
-        objs[at] = _merge(objs[at], patch)
-    for o in objs:
-        if "namespace" in k and o["kind"] != "Namespace":
-            o["metadata"]["namespace"] = k["namespace"]
-        for entry in k.get("labels", []):
-            o["metadata"].setdefault("labels", {}).update(entry["pairs"])
-            if entry.get("includeTemplates") and o["kind"] in WORKLOADS:
-                o["spec"]["template"]["metadata"].setdefault("labels", {}).update(entry["pairs"])
-                for claim in o["spec"].get("volumeClaimTemplates", []):
-                    claim["metadata"].setdefault("labels", {}).update(entry["pairs"])
-    return objs
-
-
-def _by_key(objs: list[dict]) -> dict:
-    return {(o["kind"], o["metadata"]["name"]): o for o in objs}
-
-
-def _kubectl_kustomize(folder: Path) -> list[dict]:
-    proc = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    return [o for o in yaml.safe_load_all(proc.stdout) if o]
-
-
-HAVE_KUBECTL = shutil.which("kubectl") is not None
-
-
-@pytest.fixture(scope="module", params=OVERLAYS)
-def overlay(request):
-    """(name, {(kind, name): object}, MeshConfig of its ConfigMap)."""
-    folder = K8S / "overlays" / request.param
-    objs = _kubectl_kustomize(folder) if HAVE_KUBECTL else _build(folder)
-    by_key = _by_key(objs)
-    assert len(by_key) == len(objs), "duplicate objects"
-    [cm] = [o for o in objs if o["kind"] == "ConfigMap"]
-    raw = yaml.safe_load(cm["data"]["mesh.yaml"])
-    return request.param, by_key, mesh_config_from_dict(raw), raw
-
-
 @pytest.mark.skipif(not HAVE_KUBECTL, reason="kubectl not installed")
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_fallback_renderer_agrees_with_kubectl(name):
     folder = K8S / "overlays" / name
-    assert _by_key(_build(folder)) == _by_key(_kubectl_kustomize(folder))
+    assert objects_by_key(render_fallback(folder)) == objects_by_key(kubectl_kustomize(folder))
 
 
 def test_every_object_is_valid_kubernetes(overlay):
@@ -137,65 +46,14 @@ def test_every_object_is_valid_kubernetes(overlay):
         assert obj["metadata"].get("namespace", "pdmesh") == "pdmesh"
 
 
-# --- helpers over the rendered objects ---
-
-def _workloads(objs):
-    return {name: o for (kind, name), o in objs.items() if kind in WORKLOADS}
-
-
-def _serve(workload):
-    """(argparse.Namespace, container) of the workload's `pdmesh serve` container, or None."""
-    for c in workload["spec"]["template"]["spec"]["containers"]:
-        if c.get("image", "").startswith("pdmesh:"):
-            return build_parser().parse_args(c["args"]), c
-    return None
-
-
-def _selects(selector: dict, labels: dict) -> bool:
-    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
-
-
-def _service_port(objs, host: str, port: int):
-    """The Service `host` (a Service name, or POD.SERVICE of a StatefulSet's pod) and the
-    workload it selects, after checking that it serves `port` on a container port."""
-    pod, _, svc_name = host.rpartition(".") if "." in host else ("", "", host)
-    svc = objs.get(("Service", svc_name))
-    assert svc is not None, f"{host}: no Service {svc_name}"
-    [sp] = [p for p in svc["spec"]["ports"] if p["port"] == port] or [None]
-    assert sp is not None, f"Service {svc_name} has no port {port}"
-    [wl] = [w for w in _workloads(objs).values()
-            if _selects(svc["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])]
-    if pod:
-        name, _, ordinal = pod.rpartition("-")
-        assert wl["kind"] == "StatefulSet" and wl["metadata"]["name"] == name, host
-        assert wl["spec"]["serviceName"] == svc_name and int(ordinal) < wl["spec"]["replicas"], host
-    ports = {p["name"]: p["containerPort"] for c in wl["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
-    assert ports.get(sp["targetPort"], sp["targetPort"]) == port, f"{svc_name}:{port} targets {sp['targetPort']}"
-    return svc, wl
-
-
 # --- ports, probes, Services ---
-
-def _is_pool(args) -> bool:
-    """A scaled pool's pods: each registers as its pod name (serve --node-name)."""
-    return bool(getattr(args, "node_name", ""))
-
-
-def _tls_name(args) -> str:
-    """The certificate a `pdmesh serve` loads (services/security/credentials.tls_files) and
-    its probes present; a pool's pods load their own (POD.crt) and are probed with the first
-    pod's, which every pod of the pool mounts (test_k8s_autoscaling.py)."""
-    if _is_pool(args):
-        return f"{args.node_id}-0"
-    return args.node_id if args.role in ENGINE_ROLES else args.role
-
 
 def test_probes_and_services_target_container_ports(overlay):
     """pdmesh services are probed by an exec of `pdmesh health 127.0.0.1:GRPC_PORT --cert
     NAME` (kubelet's gRPC probes speak no TLS, and an internal port asks for a mesh
     certificate): its own port, its own certificate; the others by a port of theirs."""
     _, objs, _, _ = overlay
-    for name, wl in _workloads(objs).items():
+    for name, wl in workloads(objs).items():
         for c in wl["spec"]["template"]["spec"]["containers"]:
             ports = {p["containerPort"] for p in c["ports"]} | {p["name"] for p in c["ports"]}
             probes = [c[p] for p in ("startupProbe", "readinessProbe", "livenessProbe") if p in c]
@@ -206,23 +64,23 @@ def test_probes_and_services_target_container_ports(overlay):
                     assert kind != "exec" and action["port"] in ports, f"{name}/{c['name']} {kind} probe"
                     continue
                 assert kind == "exec" and action["command"][0] == "pdmesh", f"{name}: pdmesh health"
-                served, _ = _serve(wl)
+                served, _ = serve_container(wl)
                 health = build_parser().parse_args(action["command"][1:])
                 grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
                 assert health.command == "health" and health.address == f"127.0.0.1:{grpc_port}", name
-                assert health.cert == _tls_name(served) and not health.tls_dir, f"{name}: its own cert, from env"
+                assert health.cert == tls_name(served) and not health.tls_dir, f"{name}: its own cert, from env"
                 assert probe["timeoutSeconds"] >= 5, f"{name}: a Python process, not kubelet's 1 s default"
             res = c.get("resources", {})
             assert {"cpu", "memory"} <= set(res.get("requests", {})) and "memory" in res.get("limits", {}), \
                 f"{name}/{c['name']}: resource requests and a memory limit"
     for (kind, name), svc in objs.items():
         if kind == "Service":
-            matched = [w for w in _workloads(objs).values()
-                       if _selects(svc["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])]
+            matched = [w for w in workloads(objs).values()
+                       if selector_matches(svc["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])]
             assert len(matched) == 1, f"Service {name} selects {[w['metadata']['name'] for w in matched]}"
             for p in svc["spec"]["ports"]:
-                _service_port(objs, name, p["port"])
-    for name, wl in _workloads(objs).items():
+                service_port(objs, name, p["port"])
+    for name, wl in workloads(objs).items():
         assert wl["spec"]["selector"]["matchLabels"].items() <= wl["spec"]["template"]["metadata"]["labels"].items()
         if wl["kind"] == "StatefulSet":
             assert objs[("Service", wl["spec"]["serviceName"])]["spec"]["clusterIP"] == "None", name
@@ -231,8 +89,8 @@ def test_probes_and_services_target_container_ports(overlay):
 def test_every_service_of_the_mesh_runs_once_from_the_configmap(overlay):
     _, objs, mesh, _ = overlay
     served = {}
-    for name, wl in _workloads(objs).items():
-        found = _serve(wl)
+    for name, wl in workloads(objs).items():
+        found = serve_container(wl)
         if found is None:
             continue
         args, c = found
@@ -245,7 +103,7 @@ def test_every_service_of_the_mesh_runs_once_from_the_configmap(overlay):
         key = args.node_id if args.role in ENGINE_ROLES else args.role
         assert key not in served, f"{key} runs in {served.get(key)} and {name}"
         served[key] = name
-        if args.role in ENGINE_ROLES and _is_pool(args):   # test_k8s_autoscaling.py checks the rest
+        if args.role in ENGINE_ROLES and is_pool(args):   # test_k8s_autoscaling.py checks the rest
             assert mesh.node(args.node_id).role == args.role
             assert wl["kind"] == "StatefulSet" and wl["spec"]["serviceName"] == args.node_id, name
         elif args.role in ENGINE_ROLES:
@@ -254,11 +112,11 @@ def test_every_service_of_the_mesh_runs_once_from_the_configmap(overlay):
                 f"{name}: a node_id is one pod (a second would be refused as a live node_id)"
             assert wl["spec"]["strategy"]["type"] == "Recreate", name
     assert sorted(served) == sorted(["meta-server", "gateway", "kv-store", *(n.node_id for n in mesh.nodes)])
-    meta = _workloads(objs)[served["meta-server"]]
+    meta = workloads(objs)[served["meta-server"]]
     assert meta["kind"] == "StatefulSet" and meta["spec"]["replicas"] == 2 and mesh.etcd_endpoint, \
         "two meta-servers electing a leader on etcd"
     # each replica is a candidate of its own name (POD.SERVICE, what the gateway dials)
-    meta_args, meta_c = _serve(meta)
+    meta_args, meta_c = serve_container(meta)
     assert meta_args.advertise_host == f"$(POD_NAME).{meta['spec']['serviceName']}"
     assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in meta_c["env"]
     assert "ENTRYPOINT [\"pdmesh\"]" in (ROOT / "deploy" / "Dockerfile").read_text()
@@ -267,33 +125,33 @@ def test_every_service_of_the_mesh_runs_once_from_the_configmap(overlay):
 def test_config_addresses_name_services_with_those_ports(overlay):
     _, objs, mesh, _ = overlay
     assert mesh.meta.host == mesh.gateway.host == mesh.kv_store.host == "0.0.0.0"
-    _service_port(objs, mesh.meta.advertise_host, mesh.meta.port)
-    meta_wl = _workloads(objs)["meta-server"]
+    service_port(objs, mesh.meta.advertise_host, mesh.meta.port)
+    meta_wl = workloads(objs)["meta-server"]
     assert sorted(mesh.gateway.meta_addresses) == [f"meta-server-{i}.meta-server:{mesh.meta.port}"
                                                    for i in range(meta_wl["spec"]["replicas"])]
     for address in mesh.gateway.meta_addresses:
         host, _, port = address.rpartition(":")
-        _service_port(objs, host, int(port))
-    _service_port(objs, "gateway", mesh.gateway.port)
-    _service_port(objs, "gateway", mesh.gateway.http_port)
+        service_port(objs, host, int(port))
+    service_port(objs, "gateway", mesh.gateway.port)
+    service_port(objs, "gateway", mesh.gateway.http_port)
     host, _, port = mesh.etcd_endpoint.rpartition(":")
-    _, etcd = _service_port(objs, host, int(port))
+    _, etcd = service_port(objs, host, int(port))
     assert etcd["kind"] == "StatefulSet" and etcd["metadata"]["name"] == "etcd"
     args = etcd["spec"]["template"]["spec"]["containers"][0]["command"]
     assert f"--listen-client-urls=http://0.0.0.0:{port}" in args
     members = next(a for a in args if a.startswith("--initial-cluster=")).split("=", 1)[1].split(",")
     assert len(members) == etcd["spec"]["replicas"]
     host, port = mesh.kv_store.redis_url.removeprefix("redis://").split("/")[0].split(":")
-    _service_port(objs, host, int(port))
+    service_port(objs, host, int(port))
     # the kv-store's and each node's address is also its Mooncake endpoint (ports Mooncake
     # picks): a headless Service that resolves to the pod, published before it is ready
     assert mesh.transfer.hostname == ""
     endpoints = [(mesh.kv_store.advertise_host, mesh.kv_store.port, "kv-store", None)]
     endpoints += [(n.advertised_host, n.port, n.role, n.node_id) for n in mesh.nodes]
     for host, port, role, node_id in endpoints:
-        svc, wl = _service_port(objs, host, port)
+        svc, wl = service_port(objs, host, port)
         assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"], host
-        args, _ = _serve(wl)
+        args, _ = serve_container(wl)
         assert (args.role, args.node_id or None) == (role, node_id), host
     for node in mesh.nodes:
         assert node.host == "0.0.0.0" and node.advertise_host == node.node_id
@@ -304,25 +162,15 @@ def test_metrics_ports_are_configured_exposed_and_scraped(overlay):
     want = {"meta-server": mesh.meta.metrics_port, "gateway": mesh.gateway.metrics_port,
             "kv-store": mesh.kv_store.metrics_port, **{n.node_id: n.metrics_port for n in mesh.nodes}}
     assert sorted(want.values()) == list(range(9100, 9100 + len(want))), want
-    for name, wl in _workloads(objs).items():
-        if _serve(wl) is None:
+    for name, wl in workloads(objs).items():
+        if serve_container(wl) is None:
             continue
-        args, c = _serve(wl)
+        args, c = serve_container(wl)
         port = want[args.node_id if args.role in ENGINE_ROLES else args.role]
         notes = wl["spec"]["template"]["metadata"]["annotations"]
         assert notes == {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
                          "prometheus.io/path": "/metrics"}, name
         assert {"name": "metrics", "containerPort": port} in c["ports"], name
-
-
-def _secret_mount(wl, c, secret_name: str) -> tuple[str, dict]:
-    """(mount path, {file: key}) of the container's read-only mount of Secret secret_name."""
-    [vol] = [v for v in wl["spec"]["template"]["spec"]["volumes"]
-             if v.get("secret", {}).get("secretName") == secret_name]
-    assert vol["secret"]["defaultMode"] == 0o400
-    [mount] = [m for m in c["volumeMounts"] if m["name"] == vol["name"]]
-    assert mount["readOnly"]
-    return mount["mountPath"], {i["path"]: i["key"] for i in vol["secret"]["items"]}
 
 
 def test_secrets_reach_every_service_as_files_named_by_env(overlay):
@@ -331,14 +179,14 @@ def test_secrets_reach_every_service_as_files_named_by_env(overlay):
     identity); nothing secret on a command line."""
     _, objs, _, _ = overlay
     assert ("Secret", "pdmesh-secrets") not in objs, "no secret value is committed"
-    for name, wl in _workloads(objs).items():
-        if _serve(wl) is None:
+    for name, wl in workloads(objs).items():
+        if serve_container(wl) is None:
             continue
-        args, c = _serve(wl)
+        args, c = serve_container(wl)
         env = {e["name"]: e["value"] for e in c.get("env", []) if e["name"] in SECRET_ENV}
         want = [k for k in SECRET_ENV if k != "PDMESH_API_KEYS_FILE" or args.role == "gateway"]
         assert sorted(env) == sorted(want), name
-        path, files = _secret_mount(wl, c, "pdmesh-secrets")
+        path, files = secret_mount(wl, c, "pdmesh-secrets")
         assert {f"{path}/{f}": key for f, key in files.items()} == {p: SECRET_ENV[var] for var, p in env.items()}, name
         assert not any(e["name"].startswith("PDMESH_CLUSTER_SECRET") for e in c.get("env", [])), name
         assert not any("secret" in a.lower() or "token" in a.lower() for a in c["args"]), name
@@ -346,15 +194,15 @@ def test_secrets_reach_every_service_as_files_named_by_env(overlay):
 
 def test_the_model_is_made_where_the_services_read_it(overlay):
     _, objs, mesh, _ = overlay
-    for name, wl in _workloads(objs).items():
-        if _serve(wl) is None or _serve(wl)[0].role in ("meta-server", "kv-store"):   # those need no model
+    for name, wl in workloads(objs).items():
+        if serve_container(wl) is None or serve_container(wl)[0].role in ("meta-server", "kv-store"):   # those need no model
             continue
         spec = wl["spec"]["template"]["spec"]
         [maker] = spec["initContainers"]
         margs = build_parser().parse_args(maker["args"])
         assert margs.command == "make-tiny-model" and margs.out == mesh.model and margs.arch == mesh.tiny_arch
         assert margs.if_missing
-        _, c = _serve(wl)
+        _, c = serve_container(wl)
         for container in (maker, c):
             mounts = [m["mountPath"] for m in container["volumeMounts"]]
             assert any(mesh.model.startswith(m.rstrip("/") + "/") for m in mounts), f"{name}/{container['name']}"
@@ -369,8 +217,8 @@ def test_accelerators_of_each_overlay(overlay):
         {k: v for k, v in base.items() if k not in ("engine", "transfer")}, "overlays change only engine, transfer"
     if name == "ascend":
         assert mesh.transfer.protocol == "ascend"
-    for wl_name, wl in _workloads(objs).items():
-        found = _serve(wl)
+    for wl_name, wl in workloads(objs).items():
+        found = serve_container(wl)
         if found is None:
             continue
         args, c = found
@@ -400,11 +248,11 @@ def test_only_the_mesh_reaches_its_pods_but_clients_reach_the_gateways_public_po
     internal = policies["pdmesh-internal"]
     assert internal["podSelector"] == {} and internal["policyTypes"] == ["Ingress"]
     assert internal["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "pdmesh"}}}]}]
-    for workload in _workloads(objs).values():   # every pod carries the label the policy admits
+    for workload in workloads(objs).values():   # every pod carries the label the policy admits
         assert workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/part-of"] == "pdmesh"
     public = policies["pdmesh-gateway-public"]
-    [gateway] = [w for w in _workloads(objs).values()
-                 if _selects(public["podSelector"]["matchLabels"], w["spec"]["template"]["metadata"]["labels"])]
+    [gateway] = [w for w in workloads(objs).values()
+                 if selector_matches(public["podSelector"]["matchLabels"], w["spec"]["template"]["metadata"]["labels"])]
     named = {p["name"] for c in gateway["spec"]["template"]["spec"]["containers"] for p in c.get("ports", ())}
     assert [p["port"] for p in public["ingress"][0]["ports"]] == ["grpc", "http"] and {"grpc", "http"} <= named
     assert "from" not in public["ingress"][0]

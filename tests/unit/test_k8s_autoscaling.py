@@ -25,7 +25,7 @@ from services.cli import build_parser
 from services.cli.autoscale_plan import POOL_OF
 from services.cli.certs import pool_names
 from services.meta_server.profile_file import profile_from_dict
-from tests.unit.test_k8s import K8S, _is_pool, _serve, _workloads, overlay  # noqa: F401 (fixture)
+from tests.k8s_manifests import K8S, is_pool, serve_container, workloads, overlay  # noqa: F401 (fixture)
 
 _INT = {"type": "integer", "minimum": 0}
 _STR = {"type": "string"}
@@ -88,8 +88,8 @@ def pool_certs(objs, workload: str) -> list[str]:
 
 
 def _pools(objs) -> dict[str, tuple]:
-    return {name: _serve(wl) + (wl,) for name, wl in _workloads(objs).items()
-            if _serve(wl) is not None and _is_pool(_serve(wl)[0])}
+    return {name: serve_container(wl) + (wl,) for name, wl in workloads(objs).items()
+            if serve_container(wl) is not None and is_pool(serve_container(wl)[0])}
 
 
 def test_each_engine_role_has_a_pool_scaled_by_keda_within_the_planners_bounds(overlay):
@@ -122,7 +122,7 @@ def test_each_engine_role_has_a_pool_scaled_by_keda_within_the_planners_bounds(o
 def test_the_planner_reads_its_profile_from_the_configmap(overlay):
     _, objs, mesh, _ = overlay
     cm = objs[("ConfigMap", "pdmesh-config")]
-    meta_args, meta_c = _serve(_workloads(objs)["meta-server"])
+    meta_args, meta_c = serve_container(workloads(objs)["meta-server"])
     folder = str(Path(meta_args.config).parent)
     assert mesh.meta.planner.profile == f"{folder}/node-profile.json"
     profile = profile_from_dict(json.loads(cm["data"]["node-profile.json"]))

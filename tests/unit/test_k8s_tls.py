@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from services.security.bind_policy import PlaintextBindError, check_mesh_binds
-from tests.unit.test_k8s import _is_pool, _secret_mount, _serve, _tls_name, _workloads, overlay  # noqa: F401
+from tests.k8s_manifests import is_pool, secret_mount, serve_container, tls_name, workloads, overlay  # noqa: F401
 from tests.unit.test_k8s_autoscaling import pool_certs
 
 
@@ -20,13 +20,13 @@ def test_every_service_runs_tls_with_only_its_own_key(overlay):
     assert ("Secret", "pdmesh-tls") not in objs, "no key is committed"
     assert not mesh.security.allow_plaintext and not mesh.security.tls_dir
     tls_dirs = set()
-    for name, wl in _workloads(objs).items():
-        if _serve(wl) is None:
+    for name, wl in workloads(objs).items():
+        if serve_container(wl) is None:
             continue
-        args, c = _serve(wl)
+        args, c = serve_container(wl)
         [tls_dir] = [e["value"] for e in c["env"] if e["name"] == "PDMESH_TLS_DIR"]
-        path, files = _secret_mount(wl, c, "pdmesh-tls")
-        owns = pool_certs(objs, name) if _is_pool(args) else [_tls_name(args)]   # a pool: its pods' own
+        path, files = secret_mount(wl, c, "pdmesh-tls")
+        owns = pool_certs(objs, name) if is_pool(args) else [tls_name(args)]   # a pool: its pods' own
         assert path == tls_dir and files == {f: f for f in ("ca.crt", *(f"{own}.{ext}" for own in owns
                                                                         for ext in ("crt", "key")))}, name
         tls_dirs.add(tls_dir)
